@@ -1,0 +1,119 @@
+"""Paged attention: write this step's K/V into the block cache, then attend over each context.
+
+One function, :func:`paged_attention`, is the whole interface; the pure-torch path below is the
+CPU implementation (correct first), and a Triton path for CUDA can sit behind the same call.
+
+Per step the runner builds one :class:`AttentionMetadata` shared by every layer. Sequences are
+split in two groups so that no work is wasted on padding:
+
+* *fresh* sequences, whose whole context is computed this step (a prompt with no cached prefix),
+  attend causally to their own new K/V and never read the cache;
+* the others (decodes, draft verification, later prefill chunks, prefix-cache hits) are padded
+  to one batch and attend to K/V gathered from the cache through their block tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where each query token writes its K/V and which keys it may attend to."""
+
+    slot_mapping: torch.Tensor  # [N] int64 cache slot (block_id * block_size + offset) per token
+    fresh_ranges: list[tuple[int, int]]  # (start, end) in the flat batch of each fresh sequence
+    query_index: torch.Tensor  # [G, Q] flat token index of each query of the cached group
+    query_valid: torch.Tensor  # [G, Q] bool: real query (not padding)
+    key_slots: torch.Tensor  # [G, C] cache slot of each context key of the cached group
+    mask: torch.Tensor  # [G, 1, Q, C] bool: query may attend to key (causal and in-context)
+
+    @staticmethod
+    def build(
+        query_lens: list[int],  # [B] query tokens of each sequence this step
+        context_lens: list[int],  # [B] tokens in context after this step (computed + query)
+        block_tables: list[list[int]],  # [B][num_blocks] block ids of each sequence
+        slot_mapping: torch.Tensor,  # [N]
+        block_size: int,
+    ) -> AttentionMetadata:
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        fresh = [i for i, (q, c) in enumerate(zip(query_lens, context_lens)) if q == c]
+        cached = [i for i, (q, c) in enumerate(zip(query_lens, context_lens)) if q != c]
+        max_q = max((query_lens[i] for i in cached), default=0)
+        max_c = max((context_lens[i] for i in cached), default=0)
+        query_index = torch.zeros(len(cached), max_q, dtype=torch.long)
+        key_slots = torch.zeros(len(cached), max_c, dtype=torch.long)
+        mask = torch.zeros(len(cached), 1, max_q, max_c, dtype=torch.bool)
+        query_valid = torch.zeros(len(cached), max_q, dtype=torch.bool)
+        for g, i in enumerate(cached):
+            q, c = query_lens[i], context_lens[i]
+            query_index[g, :q] = torch.arange(starts[i], starts[i] + q)
+            query_valid[g, :q] = True
+            positions = torch.arange(c)
+            blocks = torch.tensor(block_tables[i], dtype=torch.long)
+            key_slots[g, :c] = blocks[positions // block_size] * block_size + positions % block_size
+            # Query j sits at position c - q + j and sees keys at positions <= its own.
+            query_pos = torch.arange(c - q, c).unsqueeze(1)  # [q, 1]
+            mask[g, 0, :q, :c] = positions.unsqueeze(0) <= query_pos
+            mask[g, 0, q:, 0] = True  # padding rows see one key, so softmax stays finite
+        fresh_ranges = [(starts[i], starts[i + 1]) for i in fresh]
+        return AttentionMetadata(
+            slot_mapping, fresh_ranges, query_index, query_valid, key_slots, mask
+        )
+
+
+def paged_attention(
+    q: torch.Tensor,  # [N, Hq, D]
+    k: torch.Tensor,  # [N, Hkv, D] this step's keys
+    v: torch.Tensor,  # [N, Hkv, D] this step's values
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [N, Hq, D]
+    """Store K/V at their slots, then attend each query to its sequence's keys (causal, GQA)."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    k_flat[meta.slot_mapping] = k
+    v_flat[meta.slot_mapping] = v
+    out = torch.empty_like(q)
+    for start, end in meta.fresh_ranges:
+        out[start:end] = _attend(
+            q[start:end].unsqueeze(0),
+            k[start:end].unsqueeze(0),
+            v[start:end].unsqueeze(0),
+            None,
+            scale,
+        )[0]
+    if meta.query_index.numel():
+        qg = q[meta.query_index]  # [G, Q, Hq, D]
+        kg = k_flat[meta.key_slots]  # [G, C, Hkv, D]
+        vg = v_flat[meta.key_slots]
+        og = _attend(qg, kg, vg, meta.mask, scale)  # [G, Q, Hq, D]
+        out[meta.query_index[meta.query_valid]] = og[meta.query_valid]
+    return out
+
+
+def _attend(
+    q: torch.Tensor,  # [G, Q, Hq, D]
+    k: torch.Tensor,  # [G, C, Hkv, D]
+    v: torch.Tensor,  # [G, C, Hkv, D]
+    mask: torch.Tensor | None,  # [G, 1, Q, C] bool, or None for causal self-attention
+    scale: float,
+) -> torch.Tensor:  # [G, Q, Hq, D]
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=True,
+    )  # [G, Hq, Q, D]
+    return out.transpose(1, 2)

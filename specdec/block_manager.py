@@ -1,0 +1,115 @@
+"""KV block bookkeeping: block ids, reference counts, the free list and the prefix cache.
+
+The block manager is the only owner of block ids. It never touches KV memory: the model runner
+holds the tensors and indexes them with the ids handed out here.
+
+Prefix caching (as in vLLM's automatic prefix caching): once a block is full of computed, final
+tokens, it is registered under a hash chained from the previous block's hash and its own token
+ids, so equal prefixes get equal hashes. A later request whose prompt starts with the same blocks
+takes them (reference count + 1) instead of recomputing them. A freed block keeps its hash while
+it waits on the free list; it is evicted, least recently freed first, only when reallocated.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from specdec.sequence import Sequence
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Raised when an allocation cannot be served; the scheduler checks first and preempts."""
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks  # hash of a registered block
+        self.cached_blocks: dict[int, int] = {}  # block hash -> block id
+        # Free blocks in eviction order (oldest first); an OrderedDict gives O(1) removal of a
+        # cached block revived by a prefix hit.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """Blocks to add so that ``seq`` can hold KV for its first ``num_tokens`` positions."""
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+
+    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.blocks_needed(seq, num_tokens) <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> None:
+        """Grow ``seq.block_table`` to cover ``num_tokens`` positions."""
+        needed = self.blocks_needed(seq, num_tokens)
+        if needed > self.num_free_blocks:
+            raise NoFreeBlocksError(f"need {needed} KV blocks, {self.num_free_blocks} free")
+        for _ in range(needed):
+            block_id, _ = self.free_blocks.popitem(last=False)
+            self._forget_hash(block_id)
+            self.ref_counts[block_id] = 1
+            seq.block_table.append(block_id)
+
+    def match_prefix(self, seq: Sequence) -> None:
+        """Give a sequence without blocks the cached blocks of its longest registered prefix.
+
+        At most ``num_tokens - 1`` tokens are taken from the cache, so that the last token is
+        always computed and yields logits.
+        """
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        if not self.enable_prefix_caching:
+            return
+        parent: int | None = None
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            block_hash = self.hash_block(parent, seq.token_ids, i)
+            block_id = self.cached_blocks.get(block_hash)
+            if block_id is None:
+                break
+            if self.ref_counts[block_id] == 0:
+                del self.free_blocks[block_id]
+            self.ref_counts[block_id] += 1
+            seq.block_table.append(block_id)
+            seq.block_hashes.append(block_hash)
+            parent = block_hash
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        seq.metrics.num_cached_tokens = max(seq.metrics.num_cached_tokens, seq.num_computed_tokens)
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Register each block now full of computed, final tokens in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        for i in range(len(seq.block_hashes), num_full):
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            block_hash = self.hash_block(parent, seq.token_ids, i)
+            seq.block_hashes.append(block_hash)
+            block_id = seq.block_table[i]
+            if block_hash not in self.cached_blocks and self.block_hash[block_id] is None:
+                self.cached_blocks[block_hash] = block_id
+                self.block_hash[block_id] = block_hash
+
+    def free(self, seq: Sequence) -> None:
+        """Release a sequence's blocks; the tail goes on the free list first (evicted first)."""
+        for block_id in reversed(seq.block_table):
+            self.ref_counts[block_id] -= 1
+            assert self.ref_counts[block_id] >= 0, f"block {block_id} freed twice"
+            if self.ref_counts[block_id] == 0:
+                self.free_blocks[block_id] = None
+        seq.block_table.clear()
+        seq.block_hashes.clear()
+        seq.num_computed_tokens = 0
+
+    def hash_block(self, parent: int | None, token_ids: list[int], index: int) -> int:
+        start = index * self.block_size
+        return hash((parent, tuple(token_ids[start : start + self.block_size])))
+
+    def _forget_hash(self, block_id: int) -> None:
+        block_hash = self.block_hash[block_id]
+        if block_hash is not None:
+            del self.cached_blocks[block_hash]
+            self.block_hash[block_id] = None

@@ -1,0 +1,94 @@
+"""User-facing configuration: how to sample a request and how to size the engine.
+
+Both are dataclasses validated on construction, so a bad value fails where it is written with a
+``ValueError`` that names the field, not deep inside a forward pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How one request is decoded (the fields and defaults of vLLM's ``SamplingParams``)."""
+
+    max_tokens: int = 16  # most tokens to generate
+    temperature: float = 1.0  # 0 means greedy (argmax)
+    top_p: float = 1.0  # keep the smallest set of tokens with this much mass; 1 disables
+    top_k: int = 0  # keep the k most likely tokens; 0 or -1 disables
+    min_p: float = 0.0  # keep tokens with at least min_p x the top probability; 0 disables
+    seed: int | None = None  # per-request generator seed: reproducible whatever else runs
+    stop: list[str] = field(default_factory=list)  # stop strings, excluded from the output
+    stop_token_ids: list[int] = field(default_factory=list)  # extra ids that end generation
+    ignore_eos: bool = False  # keep generating past the end-of-sequence token
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        _check(
+            isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool),
+            f"max_tokens must be an integer, got {self.max_tokens!r}",
+        )
+        _check(self.max_tokens > 0, f"max_tokens must be at least 1, got {self.max_tokens}")
+        _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(
+            isinstance(self.top_k, int) and self.top_k >= -1,
+            f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}",
+        )
+        _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
+        _check(
+            self.seed is None or isinstance(self.seed, int),
+            f"seed must be an integer or None, got {self.seed!r}",
+        )
+        _check(
+            all(isinstance(s, str) and s for s in self.stop),
+            f"stop must be non-empty strings, got {self.stop!r}",
+        )
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}",
+        )
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """How the engine is sized. Terms follow vLLM: a *block* holds ``block_size`` tokens of KV."""
+
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # KV pool size; None derives it from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 1.0  # memory for target KV when num_kv_blocks is None
+    max_num_seqs: int = 64  # most sequences running in one step
+    max_num_batched_tokens: int = 1024  # token budget of one step (prefill chunks + decodes)
+    max_model_len: int | None = None  # longest prompt + output; None takes the model's limit
+    enable_prefix_caching: bool = True  # reuse full KV blocks across requests by content hash
+
+    def __post_init__(self) -> None:
+        _check(self.block_size > 0, f"block_size must be positive, got {self.block_size}")
+        _check(
+            self.num_kv_blocks is None or self.num_kv_blocks > 0,
+            f"num_kv_blocks must be positive, got {self.num_kv_blocks}",
+        )
+        _check(
+            self.kv_cache_memory_gb > 0,
+            f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}",
+        )
+        _check(self.max_num_seqs > 0, f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        _check(
+            self.max_num_batched_tokens > 0,
+            f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}",
+        )
+        _check(
+            self.max_model_len is None or self.max_model_len > 1,
+            f"max_model_len must be at least 2, got {self.max_model_len}",
+        )
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

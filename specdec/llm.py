@@ -1,0 +1,142 @@
+"""The public entry point, shaped like vLLM's ``LLM`` so that users already know it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from specdec.config import EngineConfig, SamplingParams
+from specdec.engine import Engine
+from specdec.loader import load_checkpoint, resolve_dtype
+from specdec.models.llama import LlamaForCausalLM
+from specdec.outputs import RequestOutput
+
+Prompt = str | list[int]
+Conversation = list[dict[str, str]]
+
+
+class LLM:
+    """A target model on the specdec engine.
+
+    ``model`` is ``None`` (the embedded SmolLM2-135M-Instruct), a local Hugging Face directory, a
+    GGUF file, or an in-memory ``transformers`` model; engine options are the fields of
+    :class:`~specdec.config.EngineConfig` (``max_num_seqs``, ``num_kv_blocks``, ...).
+
+    >>> llm = LLM()
+    >>> llm.generate(["The capital of France is"], SamplingParams(temperature=0))[0].text
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike | Any | None = None,
+        tokenizer: Any = None,
+        dtype: str | Any = "float32",
+        **engine_options: Any,
+    ):
+        config = EngineConfig(**engine_options)
+        self.dtype = resolve_dtype(dtype)
+        checkpoint = load_checkpoint(model, tokenizer, self.dtype)
+        self.model_name = checkpoint.name
+        self.tokenizer = checkpoint.tokenizer
+        max_model_len = config.max_model_len or checkpoint.config.max_position_embeddings
+        model_impl = LlamaForCausalLM.from_hf(
+            checkpoint.config, checkpoint.state_dict, max_model_len
+        )
+        self.engine = Engine(model_impl, self.tokenizer, config, self.dtype, max_model_len)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate a completion for each prompt (raw text or token ids, no chat template)."""
+        prompt_list: list[Prompt] = (
+            [prompts] if _is_single(prompts) else list(prompts)  # type: ignore[list-item, arg-type]
+        )
+        param_list = self._params_for(params, len(prompt_list))
+        ids: list[int] = []
+        try:  # on any error (a bad prompt, Ctrl-C), abort what was queued: nothing is left behind
+            for prompt, sp in zip(prompt_list, param_list, strict=True):
+                ids.append(self._add(prompt, sp))
+            results = {i: RequestOutput(i, self.engine.requests[i].prompt_token_ids) for i in ids}
+            while self.engine.has_unfinished():
+                for delta in self.engine.step():
+                    _merge(results[delta.request_id], delta)
+        except BaseException:
+            for i in ids:
+                self.engine.abort(i)
+            raise
+        return [results[i] for i in ids]
+
+    def chat(
+        self,
+        conversations: Conversation | list[Conversation],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate a reply for each conversation, through the tokenizer's chat template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item, arg-type]
+        prompts = [self.apply_chat_template(c) for c in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, params)
+
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """Yield deltas (new tokens and text) of one request as they are produced.
+
+        Other requests already queued on the engine advance in the same steps. Closing the
+        iterator early aborts the request and frees its KV blocks.
+        """
+        request_id = self._add(prompt, params or SamplingParams())
+        try:
+            while request_id in self.engine.requests:
+                for delta in self.engine.step():
+                    if delta.request_id == request_id:
+                        yield delta
+        finally:
+            self.engine.abort(request_id)
+
+    def apply_chat_template(self, conversation: Conversation) -> list[int]:
+        if not conversation:
+            raise ValueError("conversation is empty: give at least one message")
+        ids: Any = self.tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=True, tokenize=True
+        )
+        if not isinstance(ids, list):  # newer transformers return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        return list(prompt)
+
+    def _add(self, prompt: Prompt, params: SamplingParams) -> int:
+        return self.engine.add_request(self.encode(prompt), params)
+
+    @staticmethod
+    def _params_for(
+        params: SamplingParams | Sequence[SamplingParams] | None, n: int
+    ) -> list[SamplingParams]:
+        if params is None or isinstance(params, SamplingParams):
+            return [params or SamplingParams()] * n
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+        return list(params)
+
+
+def _is_single(prompts: Any) -> bool:
+    return isinstance(prompts, str) or (
+        isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)
+    )
+
+
+def _merge(total: RequestOutput, delta: RequestOutput) -> None:
+    total.token_ids += delta.token_ids
+    total.text += delta.text
+    total.finished, total.finish_reason, total.metrics = (
+        delta.finished,
+        delta.finish_reason,
+        delta.metrics,
+    )

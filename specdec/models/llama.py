@@ -1,0 +1,255 @@
+"""The Llama family (Llama, Mistral, Qwen2, SmolLM) on a paged KV cache.
+
+One implementation with per-architecture switches read from the Hugging Face config: Qwen2 adds
+a bias to the q/k/v projections; embeddings are tied or not; grouped-query attention; RoPE with
+the config's theta and scaling (computed by transformers' own RoPE init functions, so every
+variant it knows matches). q/k/v and gate/up projections are fused into one matmul each, which
+matters when decode is bound by per-matmul overhead. The model never allocates KV: the runner
+hands each attention layer views of its cache tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from specdec.attention import AttentionMetadata, paged_attention
+
+FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}  # config.model_type
+
+
+@dataclass(slots=True)
+class ModelArchConfig:
+    """The shape of a Llama-family model, read from a Hugging Face config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool  # Qwen2 has biases on q, k and v
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+    @staticmethod
+    def from_hf(config) -> ModelArchConfig:  # noqa: ANN001 - any transformers config
+        heads = config.num_attention_heads
+        return ModelArchConfig(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            rms_norm_eps=config.rms_norm_eps,
+            qkv_bias=config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            max_position_embeddings=config.max_position_embeddings,
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and scale in the model dtype, as transformers does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position, built once from the config's RoPE parameters."""
+
+    def __init__(self, hf_config, max_positions: int):  # noqa: ANN001
+        super().__init__()
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
+        params = getattr(hf_config, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "dynamic":
+            raise ValueError(
+                "dynamic RoPE scaling is not supported (its tables change with length)"
+            )
+        with torch.device("cpu"):  # real tables even while the model is built on "meta"
+            cos, sin = self._tables(hf_config, rope_type, max_positions)
+        self.register_buffer("cos", cos, persistent=False)  # [P, D]
+        self.register_buffer("sin", sin, persistent=False)  # [P, D]
+
+    @staticmethod
+    def _tables(
+        hf_config,
+        rope_type: str,  # noqa: ANN001
+        max_positions: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        params = getattr(hf_config, "rope_parameters", None) or {}
+        if rope_type == "default":
+            theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+            dim = ModelArchConfig.from_hf(hf_config).head_dim
+            inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            scaling = 1.0
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+        freqs = torch.arange(max_positions).float()[:, None] * inv_freq.float()  # [P, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        return emb.cos() * scaling, emb.sin() * scaling
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        cos = self.cos[positions].to(x.dtype).unsqueeze(1)  # [N, 1, D]
+        sin = self.sin[positions].to(x.dtype).unsqueeze(1)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelArchConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.scale = cfg.head_dim**-0.5
+        self.k_cache = torch.empty(0)  # views of the runner's KV tensors, set by the runner
+        self.v_cache = torch.empty(0)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = rope(positions, q.view(n, self.num_heads, self.head_dim))
+        k = rope(positions, k.view(n, self.num_kv_heads, self.head_dim))
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(n, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelArchConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelArchConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family decoder: ``forward`` gives hidden states, ``compute_logits`` the logits."""
+
+    def __init__(self, hf_config, max_positions: int):  # noqa: ANN001
+        super().__init__()
+        self.config = cfg = ModelArchConfig.from_hf(hf_config)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rope = RotaryEmbedding(hf_config, max_positions)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.layers]  # type: ignore[misc]
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:  # [N, hidden]
+        x = self.embed_tokens(input_ids)  # [N, hidden]
+        for layer in self.layers:
+            x = layer(x, positions, self.rope, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, hidden] -> [M, V]
+        return self.lm_head(hidden)
+
+    @classmethod
+    def from_hf(
+        cls,
+        hf_config,
+        state_dict: dict[str, torch.Tensor],  # noqa: ANN001
+        max_positions: int,
+    ) -> LlamaForCausalLM:
+        """Build the model around weights named as in transformers, without a random init."""
+        with torch.device("meta"):
+            model = cls(hf_config, max_positions)
+        model.to_empty(device="cpu")
+        model.rope = RotaryEmbedding(hf_config, max_positions)  # its tables were emptied above
+        if model.config.tie_word_embeddings:  # to_empty gives each module a tensor of its own
+            model.lm_head.weight = model.embed_tokens.weight
+        model.load_hf_state_dict(state_dict)
+        return model.eval().requires_grad_(False)
+
+    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Take weights named as in transformers, fusing q/k/v and gate/up on the way."""
+        own = dict(self.named_parameters())  # a tied lm_head is listed once, as embed_tokens
+        for name, tensor in _fused_weights(state_dict, self.config.num_layers):
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            if name not in own:
+                raise ValueError(f"unexpected weight {name!r} in checkpoint")
+            if own[name].shape != tensor.shape:
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(own[name].shape)}"
+                )
+            own.pop(name).data = tensor.contiguous()
+        if own:
+            raise ValueError(f"checkpoint is missing weights: {sorted(own)[:5]}")
+
+
+def _fused_weights(state_dict: dict[str, torch.Tensor], num_layers: int):  # noqa: ANN202
+    """Yield (our name, tensor): transformers names with q/k/v and gate/up concatenated."""
+    sd = {k.removeprefix("model."): v for k, v in state_dict.items()}
+    for i in range(num_layers):
+        p = f"layers.{i}."
+        for kind in ("weight", "bias"):
+            parts = [sd.pop(f"{p}self_attn.{n}_proj.{kind}", None) for n in "qkv"]
+            if all(t is not None for t in parts):
+                yield f"{p}self_attn.qkv_proj.{kind}", torch.cat(parts, dim=0)  # type: ignore[arg-type]
+        gate, up = sd.pop(f"{p}mlp.gate_proj.weight"), sd.pop(f"{p}mlp.up_proj.weight")
+        yield f"{p}mlp.gate_up_proj.weight", torch.cat([gate, up], dim=0)
+    yield from sd.items()

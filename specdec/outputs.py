@@ -1,0 +1,24 @@
+"""What the engine hands back to callers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specdec.sequence import SequenceMetrics
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A request's result so far: whole in ``LLM.generate``, a delta when streamed.
+
+    In a streamed delta, ``token_ids`` and ``text`` hold only what is new since the previous
+    delta; in a final output they hold everything generated (the prompt is never included).
+    """
+
+    request_id: int  # engine-unique id
+    prompt_token_ids: list[int]  # the prompt as tokens
+    token_ids: list[int] = field(default_factory=list)  # generated tokens (EOS included)
+    text: str = ""  # generated text (stop strings and special tokens removed)
+    finished: bool = False  # no more output will come
+    finish_reason: str | None = None  # "stop" (EOS, stop token or string) or "length"
+    metrics: SequenceMetrics = field(default_factory=SequenceMetrics)

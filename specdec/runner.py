@@ -1,0 +1,89 @@
+"""The model runner: owns the KV tensors and turns a scheduled step into one forward pass.
+
+KV memory is allocated once, ``[num_blocks, block_size, kv_heads, head_dim]`` per layer for keys
+and for values, and each attention layer gets a view. Block ids come from the scheduler's block
+manager; the runner only indexes with them. Each step it flattens the batch (prefill chunks,
+decodes and drafts alike) into one token stream and computes logits only where a token is sampled
+or verified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.attention import AttentionMetadata
+from specdec.models.llama import LlamaForCausalLM
+from specdec.scheduler import SchedulerOutput
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one forward produced for the sequences that sample this step."""
+
+    logits: torch.Tensor  # [M, V] float32: per sampling sequence, its draft rows then bonus row
+    hidden_states: torch.Tensor  # [M, hidden] final hidden state at the same rows
+    sample_indices: list[int]  # [S] index into SchedulerOutput.seqs of each sampling sequence
+    num_logit_rows: list[int]  # [S] rows of each sampling sequence (its drafts + 1)
+
+
+def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block across all layers (keys and values)."""
+    cfg = model.config
+    elem = torch.empty(0, dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(
+        self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype
+    ):
+        self.model = model
+        self.block_size = block_size
+        cfg = model.config
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.k_caches = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+        for attn, k, v in zip(model.attention_layers, self.k_caches, self.v_caches):
+            attn.k_cache, attn.v_cache = k, v
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput) -> StepResult:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logit_rows: list[int] = []  # flat index of each row that needs logits
+        sample_indices: list[int] = []
+        num_logit_rows: list[int] = []
+        context_lens: list[int] = []
+        for i, (seq, n) in enumerate(zip(out.seqs, out.num_scheduled_tokens)):
+            start = seq.num_computed_tokens
+            tokens = (seq.token_ids + seq.spec_token_ids)[start : start + n]
+            table = seq.block_table
+            bs = self.block_size
+            input_ids += tokens
+            positions += range(start, start + n)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            context_lens.append(start + n)
+            if out.samples(i):
+                rows = len(seq.spec_token_ids) + 1
+                logit_rows += range(len(input_ids) - rows, len(input_ids))
+                sample_indices.append(i)
+                num_logit_rows.append(rows)
+        slot_mapping = torch.tensor(slots, dtype=torch.long)
+        meta = AttentionMetadata.build(
+            out.num_scheduled_tokens,
+            context_lens,
+            [s.block_table for s in out.seqs],
+            slot_mapping,
+            self.block_size,
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long),
+            torch.tensor(positions, dtype=torch.long),
+            meta,
+        )
+        hidden = hidden[torch.tensor(logit_rows, dtype=torch.long)]
+        logits = self.model.compute_logits(hidden).float()
+        return StepResult(logits, hidden, sample_indices, num_logit_rows)

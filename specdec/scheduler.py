@@ -1,0 +1,180 @@
+"""The scheduler: which sequences run each step, with how many query tokens.
+
+Every step a running sequence is given ``num_tokens + len(spec_token_ids) - num_computed_tokens``
+tokens of work, capped by the step's token budget. That one rule covers a fresh prompt (a prefill,
+chunked when it exceeds the budget), a plain decode (one token) and draft verification (the last
+token plus the drafts): there is no separate speculative phase. Running sequences are served
+first, oldest first; waiting ones are admitted while the budget, ``max_num_seqs`` and KV memory
+allow. When KV blocks run out, the newest running sequence is preempted: its blocks are freed and
+it is recomputed later from its tokens, which changes no output.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from specdec.block_manager import BlockManager
+from specdec.config import EngineConfig
+from specdec.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's work: the sequences in batch order and the query tokens of each."""
+
+    seqs: list[Sequence] = field(default_factory=list)  # running this step, batch order
+    num_scheduled_tokens: list[int] = field(default_factory=list)  # query tokens per sequence
+    preempted: list[Sequence] = field(default_factory=list)  # sent back to waiting this step
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    def samples(self, i: int) -> bool:
+        """Whether sequence ``i`` reaches its last token this step (and so yields tokens)."""
+        seq = self.seqs[i]
+        return seq.num_computed_tokens + self.num_scheduled_tokens[i] >= seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int):
+        self.config = config
+        self.max_model_len = max_model_len
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        for seq in list(self.running):
+            if budget == 0 or seq.status is not SequenceStatus.RUNNING:
+                continue
+            num_tokens = self._fit_running(seq, min(seq.num_uncomputed_tokens, budget), out)
+            if num_tokens:
+                out.seqs.append(seq)
+                out.num_scheduled_tokens.append(num_tokens)
+                budget -= num_tokens
+        while self.waiting and budget and len(self.running) < self.config.max_num_seqs:
+            num_tokens = self._admit(self.waiting[0], budget)
+            if not num_tokens:
+                break
+            seq = self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.seqs.append(seq)
+            out.num_scheduled_tokens.append(num_tokens)
+            budget -= num_tokens
+        return out
+
+    def _fit_running(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> int:
+        """Allocate KV for ``num_tokens`` more positions, shedding drafts, then preempting."""
+        bm = self.block_manager
+        # Drafts never reach past the context limit, nor past the end of the token budget.
+        room = self.max_model_len - seq.num_tokens
+        num_spec = max(0, seq.num_computed_tokens + num_tokens - seq.num_tokens)
+        del seq.spec_token_ids[max(0, min(num_spec, room)) :]
+        num_tokens = min(num_tokens, seq.num_uncomputed_tokens)
+        while not bm.can_allocate(seq, seq.num_computed_tokens + num_tokens):
+            if seq.spec_token_ids:  # lookahead slots are the first thing to give up
+                num_tokens -= len(seq.spec_token_ids)
+                seq.spec_token_ids.clear()
+                continue
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is seq:
+                return 0
+        bm.allocate(seq, seq.num_computed_tokens + num_tokens)
+        return num_tokens
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Tokens a waiting sequence can run now (0: not yet), after prefix-cache hits."""
+        bm = self.block_manager
+        if not seq.block_table:
+            bm.match_prefix(seq)
+        num_tokens = min(seq.num_uncomputed_tokens, budget)
+        if not bm.can_allocate(seq, seq.num_computed_tokens + num_tokens):
+            bm.free(seq)  # give back any prefix hits; retry when memory frees up
+            return 0
+        bm.allocate(seq, seq.num_computed_tokens + num_tokens)
+        return num_tokens
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Free a running sequence's KV and requeue it first in line for recompute."""
+        self.block_manager.free(seq)
+        seq.spec_token_ids.clear()
+        seq.status = SequenceStatus.WAITING
+        seq.metrics.num_preemptions += 1
+        self.running.remove(seq)
+        if seq in out.seqs:
+            i = out.seqs.index(seq)
+            del out.seqs[i], out.num_scheduled_tokens[i]
+        out.preempted.append(seq)
+        self.waiting.appendleft(seq)
+
+    def update(self, out: SchedulerOutput, emitted: list[list[int]]) -> list[Sequence]:
+        """Record a step: advance counters, roll back rejected drafts, append emitted tokens.
+
+        ``emitted[i]`` holds the tokens sequence ``i`` produced this step: its accepted drafts and
+        then one recovered or bonus token (empty for a prefill chunk that did not reach the end).
+        Returns the sequences that received tokens, in batch order.
+        """
+        updated = []
+        now = time.perf_counter()
+        for seq, num_scheduled, tokens in zip(out.seqs, out.num_scheduled_tokens, emitted):
+            seq.num_computed_tokens += num_scheduled
+            if tokens:
+                num_spec = len(seq.spec_token_ids)
+                num_accepted = len(tokens) - 1
+                seq.num_computed_tokens -= num_spec - num_accepted  # rollback is arithmetic
+                seq.metrics.num_draft_tokens += num_spec
+                seq.metrics.num_accepted_tokens += num_accepted
+                seq.spec_token_ids.clear()
+                self._append(seq, tokens, now)
+                updated.append(seq)
+            if not seq.is_finished:
+                self.block_manager.register_full_blocks(seq)
+        return updated
+
+    def _append(self, seq: Sequence, tokens: list[int], now: float) -> None:
+        """Append tokens one by one, stopping exactly where plain decoding would stop."""
+        seq.metrics.num_steps += 1
+        if seq.metrics.first_token_time is None:
+            seq.metrics.first_token_time = now
+        params = seq.params
+        for token in tokens:
+            seq.token_ids.append(token)
+            if token in params.stop_token_ids or (
+                token == seq.eos_token_id and not params.ignore_eos
+            ):
+                self.finish(seq, "stop")
+            elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+                self.finish(seq, "length")
+            if seq.is_finished:
+                return
+
+    def finish(self, seq: Sequence, reason: str, num_output_tokens: int | None = None) -> None:
+        """End a sequence (keeping at most ``num_output_tokens`` outputs) and free its KV."""
+        if num_output_tokens is not None:
+            del seq.token_ids[seq.num_prompt_tokens + num_output_tokens :]
+        if seq.is_finished:
+            return
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.metrics.finish_time = time.perf_counter()
+        self.block_manager.free(seq)
+        seq.spec_token_ids.clear()
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)

@@ -1,0 +1,99 @@
+"""Request state: one :class:`Sequence` per request, made of ints and lists.
+
+Terms (vLLM's):
+    tokens: prompt tokens followed by the output tokens generated so far.
+    num_computed_tokens: how many leading tokens have their KV written in the cache. A running
+        sequence normally has every token but the last one computed; the last is fed next step.
+    spec_token_ids: draft tokens proposed for the next step. They are scheduled as extra query
+        tokens after the last token; rejected ones are rolled back by lowering
+        ``num_computed_tokens`` (their KV slots are simply overwritten later).
+    block_table: the KV block ids holding this sequence's tokens, in order.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.config import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class SequenceMetrics:
+    """Timings and counters of one request; speculative counters stay 0 without a drafter."""
+
+    arrival_time: float = 0.0  # time.perf_counter() when the request was added
+    first_token_time: float | None = None  # when the first output token was produced
+    finish_time: float | None = None  # when the request finished
+    num_steps: int = 0  # engine steps that produced output tokens for this request
+    num_preemptions: int = 0  # times its KV was freed to make room and recomputed
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_draft_tokens: int = 0  # draft tokens verified
+    num_accepted_tokens: int = 0  # draft tokens accepted
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+
+@dataclass(slots=True)
+class Sequence:
+    """One request: its tokens, KV bookkeeping and sampling state."""
+
+    seq_id: int  # engine-unique id
+    token_ids: list[int]  # prompt + output tokens
+    num_prompt_tokens: int  # length of the prompt prefix of token_ids
+    params: SamplingParams  # how to sample this request
+    eos_token_id: int | None = None  # the model's end-of-sequence id (None: no EOS)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    block_table: list[int] = field(default_factory=list)  # KV block ids, in position order
+    block_hashes: list[int] = field(default_factory=list)  # hash chain of registered full blocks
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step
+    finish_reason: str | None = None  # "stop" or "length" once finished
+    num_returned_tokens: int = 0  # output tokens already handed back in deltas
+    output_text: str = ""  # detokenized output so far (stop strings already cut off)
+    generator: torch.Generator | None = None  # from params.seed; None uses the global RNG
+    metrics: SequenceMetrics = field(default_factory=SequenceMetrics)
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None and self.generator is None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+        if not self.metrics.arrival_time:
+            self.metrics.arrival_time = time.perf_counter()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Query tokens still to run: the uncomputed tail plus the drafts to verify."""
+        return self.num_tokens + len(self.spec_token_ids) - self.num_computed_tokens
