@@ -1,0 +1,74 @@
+"""The embedded default model (SmolLM2-135M-Instruct): greedy output equals transformers'."""
+
+import pytest
+import torch
+from click.testing import CliRunner
+from transformers import AutoModelForCausalLM
+
+from specdec import LLM, SamplingParams
+from specdec.cli import main
+from specdec.loader import default_model_dir
+
+pytestmark = pytest.mark.integration
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Summarize: The quick brown fox jumps over the lazy dog. The dog does not react.",
+    "List three prime numbers.",
+    "Explain what a hash table is in one sentence.",
+]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    return AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model):
+    """transformers' greedy continuation of each chat-templated question, one at a time."""
+    llm = LLM(num_kv_blocks=64)
+    prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+    outputs = []
+    for ids in prompts:
+        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
+        outputs.append(out[0, len(ids) :].tolist())
+    return prompts, outputs
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"max_num_batched_tokens": 20, "block_size": 8},  # chunked prefill
+        {"num_kv_blocks": 9, "block_size": 16},  # preemption
+    ],
+    ids=["batched", "chunked-prefill", "preemption"],
+)
+def test_greedy_matches_transformers(reference, options):
+    prompts, expected = reference
+    llm = LLM(**options)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    preemptions = 0
+    for _ in range(2):  # the second pass runs on prefix-cache hits
+        outputs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outputs] == expected
+        assert llm.engine.num_free_blocks == llm.engine.num_blocks
+        preemptions += sum(o.metrics.num_preemptions for o in outputs)
+    assert preemptions > 0 or "num_kv_blocks" not in options
+    assert all(o.metrics.num_cached_tokens > 0 for o in outputs)
+
+
+def test_cli_generate_prints_completions():
+    result = CliRunner().invoke(main, ["generate", "--max-tokens", "12", "What is 2+2?"])
+    assert result.exit_code == 0, result.output
+    assert "### What is 2+2?" in result.output and "finish_reason=" in result.output
+
+
+def test_cli_reports_bad_input_cleanly(tmp_path):
+    result = CliRunner().invoke(main, ["generate", "--model", str(tmp_path / "nope"), "hi"])
+    assert result.exit_code != 0 and "Error:" in result.output and "nope" in result.output
+    result = CliRunner().invoke(main, ["generate", "--max-tokens", "0", "hi"])
+    assert result.exit_code != 0 and "max_tokens must be at least 1" in result.output

@@ -1,0 +1,101 @@
+"""The sampler draws from the processed distribution: a statistical test that can fail."""
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specdec.sampling import process_logits, sample
+
+LOGITS = torch.tensor([2.0, 1.5, 1.4, 1.0, 0.5, 0.3, 0.0, -0.2, -1.0, -3.0, 0.9, 1.2])
+NUM_SAMPLES = 200_000
+
+
+def expected_probs(temperature, top_k, top_p, min_p, exclusive_top_p=False):
+    """An independent numpy statement of temperature -> top-k -> top-p -> min-p."""
+    logits = LOGITS.double().numpy() / (temperature or 1.0)
+    order = np.argsort(-logits)
+    keep = np.zeros(len(logits), dtype=bool)
+    keep[order[: top_k if top_k > 0 else len(logits)]] = True
+    probs = np.where(keep, np.exp(logits - logits.max()), 0.0)
+    probs /= probs.sum()
+    mass = 0.0
+    for rank, token in enumerate(order):
+        if not keep[token]:
+            continue
+        # Correct rule: keep while the mass of better tokens is below top_p. The broken variant
+        # drops the token that crosses top_p, a classic off-by-one.
+        crossed = mass + probs[token] > top_p if exclusive_top_p else mass >= top_p
+        if rank > 0 and crossed:
+            keep[token] = False
+        mass += probs[token]
+    probs = np.where(keep, probs, 0.0)
+    probs /= probs.sum()
+    probs = np.where(probs >= min_p * probs.max(), probs, 0.0)
+    return probs / probs.sum()
+
+
+def draw(temperature, top_k, top_p, min_p, seed=0):
+    n = NUM_SAMPLES
+    probs = process_logits(
+        LOGITS.repeat(n, 1),
+        torch.full((n,), temperature),
+        torch.full((n,), top_k),
+        torch.full((n,), top_p),
+        torch.full((n,), min_p),
+    )
+    torch.manual_seed(seed)
+    tokens = sample(probs, [None] * n)
+    return np.bincount(tokens.numpy(), minlength=len(LOGITS))
+
+
+def fits(counts, probs) -> float:
+    """p-value that counts were drawn from probs; 0 if a token of probability 0 appeared."""
+    if counts[probs == 0].sum():
+        return 0.0
+    support = probs > 0
+    return chisquare(counts[support], probs[support] * counts.sum()).pvalue
+
+
+CASES = [
+    (1.0, 0, 1.0, 0.0),
+    (0.7, 0, 1.0, 0.0),
+    (1.0, 5, 1.0, 0.0),
+    (1.3, 0, 0.8, 0.0),
+    (1.0, 0, 1.0, 0.3),
+    (0.9, 8, 0.9, 0.05),
+]
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p", "min_p"), CASES)
+def test_samples_follow_the_processed_distribution(temperature, top_k, top_p, min_p):
+    counts = draw(temperature, top_k, top_p, min_p)
+    assert fits(counts, expected_probs(temperature, top_k, top_p, min_p)) > 1e-6
+
+
+def test_the_check_detects_a_wrong_top_p():
+    counts = draw(1.3, 0, 0.8, 0.0)
+    wrong = expected_probs(1.3, 0, 0.8, 0.0, exclusive_top_p=True)
+    assert fits(counts, wrong) < 1e-12
+
+
+def test_process_logits_is_row_wise():
+    rows = torch.stack([LOGITS, LOGITS.flip(0)])
+    probs = process_logits(
+        rows,
+        torch.tensor([0.5, 1.0]),
+        torch.tensor([3, 0]),
+        torch.tensor([1.0, 0.5]),
+        torch.tensor([0.0, 0.0]),
+    )
+    assert (probs[0] > 0).sum() == 3
+    np.testing.assert_allclose(probs[0].numpy(), expected_probs(0.5, 3, 1.0, 0.0), atol=1e-6)
+
+
+def test_seeded_rows_draw_only_from_their_generator():
+    probs = torch.softmax(LOGITS, -1).repeat(4, 1)
+    gen = lambda: torch.Generator().manual_seed(7)  # noqa: E731
+    first = sample(probs, [gen(), None, None, gen()])
+    torch.manual_seed(123)
+    second = sample(probs, [gen(), None, None, gen()])
+    assert first[0] == second[0] == first[3] == second[3]
