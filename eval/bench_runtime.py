@@ -1,0 +1,214 @@
+"""Runtime benchmark: specdec vs transformers on the default model, side by side in one run.
+
+    python -m specdec.eval.bench_runtime [--dtype float32 --dtype bfloat16] [--quick]
+
+For each dtype it reports, as ratios measured in this one process:
+
+* single-stream greedy decode tokens/s, specdec vs ``transformers`` ``generate``;
+* throughput of the 32 requests of ``eval/prompts/runtime.jsonl`` (varied prompt and output
+  lengths, all submitted at once), specdec vs ``transformers`` static batching (padded to the
+  longest prompt, run to the longest output) and vs its continuous batching (``generate_batch``'s
+  manager, with each request's own output length);
+* the fraction of the memory-bandwidth limit reached in single-stream decode: weight bytes read
+  per step over time per step, against a streaming read measured the same way in this run.
+
+Every system produces exactly the same useful tokens (EOS ignored), and throughput counts only
+those. Results go to ``eval/results/runtime.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from specdec import LLM, SamplingParams
+from specdec.eval.prompts import load_prompts
+
+RESULTS = Path("eval/results")
+
+
+def stream_read_gbps(num_bytes: int = 2**30, repeats: int = 5) -> float:
+    """Best streaming-read rate (GB/s) of a large float32 tensor, summed by torch."""
+    x = torch.ones(num_bytes // 4)
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(repeats))
+    return num_bytes / best / 1e9
+
+
+def weight_bytes_per_step(llm: LLM) -> int:
+    """Bytes of weights one decode step reads: every matrix once (an untied embedding: one row)."""
+    model = llm.engine.runner.model
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not model.config.tie_word_embeddings:
+        total -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    return total
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _median_time(fn: Callable[[], object], repeats: int) -> float:
+    return statistics.median(_timed(fn) for _ in range(repeats))
+
+
+def single_stream(llm: LLM, hf, prompt: list[int], num_tokens: int, repeats: int) -> dict:  # noqa: ANN001
+    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
+    ids = torch.tensor([prompt])
+
+    def ours() -> None:
+        llm.generate([prompt], params)
+
+    def theirs() -> None:
+        hf.generate(
+            ids,
+            max_new_tokens=num_tokens,
+            min_new_tokens=num_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+
+    ours()  # warm up both
+    theirs()
+    t_ours, t_hf = [], []
+    for _ in range(repeats):  # interleaved, so drift in machine load hits both alike
+        t_ours.append(_timed(ours))
+        t_hf.append(_timed(theirs))
+    out = llm.generate([prompt], params)[0]
+    m = out.metrics
+    assert m.first_token_time is not None and m.finish_time is not None
+    step_time = (m.finish_time - m.first_token_time) / max(1, num_tokens - 1)
+    return {
+        "specdec_tok_s": num_tokens / statistics.median(t_ours),
+        "hf_generate_tok_s": num_tokens / statistics.median(t_hf),
+        "speedup_vs_hf_generate": statistics.median(t_hf) / statistics.median(t_ours),
+        "decode_step_ms": step_time * 1e3,
+    }
+
+
+def batched(llm: LLM, hf, tokenizer, requests: list[tuple[list[int], int]], repeats: int) -> dict:  # noqa: ANN001
+    useful = sum(n for _, n in requests)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
+
+    def ours() -> None:
+        llm.generate([p for p, _ in requests], params)
+
+    def static() -> None:
+        longest = max(len(p) for p, _ in requests)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        ids = torch.tensor([[pad] * (longest - len(p)) + p for p, _ in requests])
+        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p, _ in requests])
+        most = max(n for _, n in requests)
+        hf.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=most,
+            min_new_tokens=most,
+            do_sample=False,
+            pad_token_id=pad,
+        )
+
+    def continuous() -> None:
+        from transformers import GenerationConfig
+
+        config = GenerationConfig(
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            max_new_tokens=max(n for _, n in requests),
+        )
+        with hf.continuous_batching_context_manager(
+            generation_config=config, block=True, timeout=5
+        ) as manager:
+            ids = [manager.add_request(p, max_new_tokens=n) for p, n in requests]
+            done: set[str] = set()
+            while len(done) < len(ids):
+                result = manager.get_result(timeout=1)
+                if result is not None and result.is_finished():
+                    done.add(result.request_id)
+
+    ours()  # warm up
+    t: dict[str, list[float]] = {"specdec": [], "hf_static": [], "hf_continuous": []}
+    for _ in range(repeats):
+        t["specdec"].append(_timed(ours))
+        t["hf_static"].append(_timed(static))
+        t["hf_continuous"].append(_timed(continuous))
+    med = {k: statistics.median(v) for k, v in t.items()}
+    return {
+        "num_requests": len(requests),
+        "useful_tokens": useful,
+        **{f"{k}_tok_s": useful / v for k, v in med.items()},
+        "speedup_vs_hf_static": med["hf_static"] / med["specdec"],
+        "speedup_vs_hf_continuous": med["hf_continuous"] / med["specdec"],
+    }
+
+
+def run_dtype(dtype: str, quick: bool) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from specdec.loader import default_model_dir
+
+    llm = LLM(dtype=dtype)
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=llm.dtype).eval()
+    records = load_prompts("runtime")[: 8 if quick else None]
+    requests = [
+        (
+            llm.apply_chat_template([{"role": "user", "content": r["prompt"]}]),
+            r["max_tokens"] // (4 if quick else 1),
+        )
+        for r in records
+    ]
+    print(f"[{dtype}] single stream ...", flush=True)
+    with torch.inference_mode():
+        single = single_stream(llm, hf, requests[3][0], 32 if quick else 128, 1 if quick else 3)
+        print(f"[{dtype}] {len(requests)} concurrent requests ...", flush=True)
+        batch = batched(llm, hf, llm.tokenizer, requests, 1 if quick else 2)
+    read = stream_read_gbps()
+    weights = weight_bytes_per_step(llm)
+    single["weight_bytes_per_step"] = weights
+    single["stream_read_gb_s"] = read
+    single["bandwidth_fraction"] = weights / (single["decode_step_ms"] / 1e3) / 1e9 / read
+    return {"dtype": dtype, "single_stream": single, "batched": batch}
+
+
+def markdown(results: list[dict]) -> str:
+    lines = [
+        "| dtype | single-stream tok/s (specdec / HF) | speedup | bandwidth used | "
+        "32-req tok/s specdec | vs HF static | vs HF continuous |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        s, b = r["single_stream"], r["batched"]
+        lines.append(
+            f"| {r['dtype']} | {s['specdec_tok_s']:.1f} / {s['hf_generate_tok_s']:.1f} | "
+            f"{s['speedup_vs_hf_generate']:.2f}x | {s['bandwidth_fraction']:.0%} of "
+            f"{s['stream_read_gb_s']:.1f} GB/s | {b['specdec_tok_s']:.1f} | "
+            f"{b['speedup_vs_hf_static']:.2f}x | {b['speedup_vs_hf_continuous']:.2f}x |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", action="append", choices=["float32", "bfloat16"])
+    parser.add_argument("--quick", action="store_true", help="8 short requests, one repeat")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    results = [run_dtype(d, args.quick) for d in args.dtype or ["float32", "bfloat16"]]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "runtime.json").write_text(json.dumps(results, indent=2))
+    table = markdown(results)
+    (args.out / "runtime.md").write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
