@@ -44,26 +44,32 @@ class AttentionMetadata:
             starts.append(starts[-1] + n)
         fresh = [i for i, (q, c) in enumerate(zip(query_lens, context_lens)) if q == c]
         cached = [i for i, (q, c) in enumerate(zip(query_lens, context_lens)) if q != c]
-        max_q = max((query_lens[i] for i in cached), default=0)
-        max_c = max((context_lens[i] for i in cached), default=0)
-        query_index = torch.zeros(len(cached), max_q, dtype=torch.long)
-        key_slots = torch.zeros(len(cached), max_c, dtype=torch.long)
-        mask = torch.zeros(len(cached), 1, max_q, max_c, dtype=torch.bool)
-        query_valid = torch.zeros(len(cached), max_q, dtype=torch.bool)
-        for g, i in enumerate(cached):
-            q, c = query_lens[i], context_lens[i]
-            query_index[g, :q] = torch.arange(starts[i], starts[i] + q)
-            query_valid[g, :q] = True
-            positions = torch.arange(c)
-            blocks = torch.tensor(block_tables[i], dtype=torch.long)
-            key_slots[g, :c] = blocks[positions // block_size] * block_size + positions % block_size
-            # Query j sits at position c - q + j and sees keys at positions <= its own.
-            query_pos = torch.arange(c - q, c).unsqueeze(1)  # [q, 1]
-            mask[g, 0, :q, :c] = positions.unsqueeze(0) <= query_pos
-            mask[g, 0, q:, 0] = True  # padding rows see one key, so softmax stays finite
         fresh_ranges = [(starts[i], starts[i + 1]) for i in fresh]
+        q_len = torch.tensor([query_lens[i] for i in cached], dtype=torch.long)  # [G]
+        c_len = torch.tensor([context_lens[i] for i in cached], dtype=torch.long)  # [G]
+        max_q = int(q_len.max()) if cached else 0
+        max_c = int(c_len.max()) if cached else 0
+        max_blocks = -(-max_c // block_size)
+        tables = torch.tensor(
+            [
+                block_tables[i][:max_blocks]
+                + [0] * (max_blocks - len(block_tables[i][:max_blocks]))
+                for i in cached
+            ],
+            dtype=torch.long,
+        ).view(len(cached), max_blocks)  # [G, max_blocks], padded with block 0
+        first = torch.tensor([starts[i] for i in cached], dtype=torch.long)  # [G]
+        j = torch.arange(max_q)  # [Q]
+        query_valid = j < q_len[:, None]  # [G, Q]
+        query_index = torch.where(query_valid, first[:, None] + j, 0)  # [G, Q]
+        pos = torch.arange(max_c)  # [C]
+        key_slots = tables[:, pos // block_size] * block_size + pos % block_size  # [G, C]
+        # Query j sits at position c - q + j and sees keys at positions <= its own; padding
+        # rows see key 0 only, so that their softmax stays finite.
+        query_pos = torch.where(query_valid, (c_len - q_len)[:, None] + j, 0)  # [G, Q]
+        mask = (pos <= query_pos[:, :, None]) & (pos < c_len[:, None, None])  # [G, Q, C]
         return AttentionMetadata(
-            slot_mapping, fresh_ranges, query_index, query_valid, key_slots, mask
+            slot_mapping, fresh_ranges, query_index, query_valid, key_slots, mask.unsqueeze(1)
         )
 
 

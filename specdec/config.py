@@ -22,6 +22,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings, excluded from the output
     stop_token_ids: list[int] = field(default_factory=list)  # extra ids that end generation
     ignore_eos: bool = False  # keep generating past the end-of-sequence token
+    num_speculative_tokens: int | None = None  # cap on drafts per step; 0 turns speculation off
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -45,6 +46,12 @@ class SamplingParams:
         _check(
             all(isinstance(s, str) and s for s in self.stop),
             f"stop must be non-empty strings, got {self.stop!r}",
+        )
+        _check(
+            self.num_speculative_tokens is None
+            or (isinstance(self.num_speculative_tokens, int) and self.num_speculative_tokens >= 0),
+            f"num_speculative_tokens must be a non-negative integer, got "
+            f"{self.num_speculative_tokens!r}",
         )
         _check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),

@@ -13,10 +13,12 @@ import torch
 
 from specdec.config import EngineConfig, SamplingParams
 from specdec.detokenizer import Detokenizer
+from specdec.drafters.base import Drafter
+from specdec.drafters.policy import AdaptivePolicy
 from specdec.models.llama import LlamaForCausalLM
 from specdec.outputs import RequestOutput
 from specdec.runner import ModelRunner, kv_block_bytes
-from specdec.scheduler import Scheduler
+from specdec.scheduler import Scheduler, SchedulerOutput
 from specdec.sequence import Sequence
 from specdec.verifier import Verifier
 
@@ -25,10 +27,12 @@ class Engine:
     def __init__(
         self,
         model: LlamaForCausalLM,
-        tokenizer,
-        config: EngineConfig,  # noqa: ANN001
+        tokenizer,  # noqa: ANN001
+        config: EngineConfig,
         dtype: torch.dtype,
         max_model_len: int,
+        drafter: Drafter | None = None,
+        policy: AdaptivePolicy | None = None,
     ):
         self.config = config
         self.tokenizer = tokenizer
@@ -42,7 +46,9 @@ class Engine:
         self.vocab_size = model.config.vocab_size
         self.scheduler = Scheduler(config, num_blocks, self.max_model_len)
         self.runner = ModelRunner(model, num_blocks, config.block_size, dtype)
-        self.verifier = Verifier()
+        self.drafter = drafter
+        self.policy = policy
+        self.verifier = Verifier(drafter)
         self.detokenizer = Detokenizer(tokenizer)
         self.eos_token_id = tokenizer.eos_token_id
         self.requests: dict[int, Sequence] = {}
@@ -70,6 +76,9 @@ class Engine:
         seq = self.requests.pop(request_id, None)
         if seq is not None:
             self.scheduler.finish(seq, "abort")
+            if self.drafter is not None and self.policy is not None:
+                self.drafter.forget(seq)
+                self.policy.forget(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -90,7 +99,19 @@ class Engine:
         res = self.runner.run(out)
         emitted = self.verifier.verify(out, res)
         updated = self.scheduler.update(out, emitted)
-        return [self._delta(seq) for seq in updated]
+        deltas = [self._delta(seq) for seq in updated]
+        self._propose(out)
+        return deltas
+
+    def _propose(self, out: SchedulerOutput) -> None:
+        """Let the drafter propose the next step's drafts for every running sequence."""
+        if self.drafter is None or self.policy is None:
+            return
+        for seq in out.preempted + [s for s in out.seqs if s.is_finished]:
+            self.drafter.forget(seq)
+            self.policy.forget(seq)
+        running = self.scheduler.running
+        self.drafter.propose(running, self.policy.num_drafts(running, self.max_model_len))
 
     def _delta(self, seq: Sequence) -> RequestOutput:
         """The text and tokens ``seq`` gained since its previous delta."""

@@ -7,6 +7,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from specdec.config import EngineConfig, SamplingParams
+from specdec.drafters.base import SpecConfig
+from specdec.drafters.factory import enable_speculation
 from specdec.engine import Engine
 from specdec.loader import load_checkpoint, resolve_dtype
 from specdec.models.llama import LlamaForCausalLM
@@ -32,6 +34,7 @@ class LLM:
         model: str | os.PathLike | Any | None = None,
         tokenizer: Any = None,
         dtype: str | Any = "float32",
+        speculative: SpecConfig | dict | None = None,
         **engine_options: Any,
     ):
         config = EngineConfig(**engine_options)
@@ -44,6 +47,9 @@ class LLM:
             checkpoint.config, checkpoint.state_dict, max_model_len
         )
         self.engine = Engine(model_impl, self.tokenizer, config, self.dtype, max_model_len)
+        self.spec_config = SpecConfig.coerce(speculative)
+        if self.spec_config is not None:
+            enable_speculation(self.engine, self.spec_config, checkpoint.config)
 
     def generate(
         self,

@@ -87,3 +87,18 @@ class ModelRunner:
         hidden = hidden[torch.tensor(logit_rows, dtype=torch.long)]
         logits = self.model.compute_logits(hidden).float()
         return StepResult(logits, hidden, sample_indices, num_logit_rows)
+
+    @torch.inference_mode()
+    def dummy_forward(self, num_tokens: int) -> None:
+        """One forward of a made-up ``num_tokens`` prompt, for timing; call only before serving.
+
+        It writes K/V into the first blocks of the pool, which is harmless only while no block
+        is in use or cached.
+        """
+        num_tokens = min(num_tokens, self.k_caches[0].shape[0] * self.block_size)
+        blocks = list(range(-(-num_tokens // self.block_size)))
+        slots = torch.arange(num_tokens)
+        meta = AttentionMetadata.build([num_tokens], [num_tokens], [blocks], slots, self.block_size)
+        ids = torch.zeros(num_tokens, dtype=torch.long)
+        hidden = self.model(ids, torch.arange(num_tokens), meta)
+        self.model.compute_logits(hidden[-1:])

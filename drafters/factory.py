@@ -1,0 +1,25 @@
+"""Builds the drafter and the adaptive policy that a :class:`SpecConfig` asks for."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specdec.drafters.base import Drafter, SpecConfig
+from specdec.drafters.policy import AdaptivePolicy, StepCostModel
+from specdec.drafters.prompt_lookup import PromptLookupDrafter
+from specdec.engine import Engine
+
+
+def enable_speculation(engine: Engine, spec: SpecConfig, target_config: Any) -> None:
+    """Attach a drafter and its policy to a fresh engine (before any request runs)."""
+    drafter: Drafter
+    if spec.drafter == "prompt_lookup":
+        drafter = PromptLookupDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    else:
+        from specdec.drafters.draft_model import DraftModelDrafter
+
+        drafter = DraftModelDrafter.build(spec, engine, target_config)
+    cost = StepCostModel.measure(engine.runner.dummy_forward) if spec.adaptive else None
+    engine.drafter = drafter
+    engine.policy = AdaptivePolicy(spec.num_speculative_tokens, cost)
+    engine.verifier.drafter = drafter
