@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import Any
 
 import click
 
@@ -14,6 +15,37 @@ from specdec.config import SamplingParams
 @click.version_option(package_name="specdec")
 def main() -> None:
     """specdec: exact speculative decoding on a paged-KV, continuously batched runtime."""
+
+
+def speculation_options(fn: Any) -> Any:
+    """The drafter options shared by ``generate`` and ``serve``."""
+    fn = click.option(
+        "--drafter",
+        default="none",
+        show_default=True,
+        type=click.Choice(["none", "prompt_lookup", "draft_model"]),
+        help="Who proposes draft tokens (none: plain decoding).",
+    )(fn)
+    fn = click.option(
+        "--draft-model", default=None, help="HF directory or GGUF file of the draft model."
+    )(fn)
+    fn = click.option(
+        "--num-speculative-tokens",
+        default=8,
+        show_default=True,
+        type=int,
+        help="Most drafts per sequence and step (k); the adaptive policy may use fewer.",
+    )(fn)
+    return fn
+
+
+def spec_config(drafter: str, draft_model: str | None, num_speculative_tokens: int) -> Any:
+    """The ``speculative=`` argument of ``LLM`` for the CLI options (None: no speculation)."""
+    if drafter == "none":
+        return None
+    from specdec.drafters import SpecConfig
+
+    return SpecConfig(drafter, num_speculative_tokens, draft_model=draft_model)
 
 
 @main.command()
@@ -34,25 +66,26 @@ def main() -> None:
 @click.option("--top-k", default=0, show_default=True, type=int)
 @click.option("--seed", default=None, type=int, help="Per-request seed for reproducible sampling.")
 @click.option("--raw", is_flag=True, help="Use prompts as raw text (skip the chat template).")
+@speculation_options
+@click.option("--stats", is_flag=True, help="Print the speculation summary.")
 def generate(
     prompts: tuple[str, ...],
     model: str | None,
     dtype: str,
-    max_tokens: int,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    seed: int | None,
     raw: bool,
+    stats: bool,
+    drafter: str,
+    draft_model: str | None,
+    num_speculative_tokens: int,
+    **sampling: Any,
 ) -> None:
     """Generate a completion for each PROMPT, in one continuous batch."""
     from specdec.llm import LLM
 
     try:
-        params = SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
-        )
-        llm = LLM(model, dtype=dtype)
+        params = SamplingParams(**sampling)
+        speculative = spec_config(drafter, draft_model, num_speculative_tokens)
+        llm = LLM(model, dtype=dtype, speculative=speculative)
         start = time.perf_counter()
         if raw:
             outputs = llm.generate(list(prompts), params)
@@ -69,6 +102,18 @@ def generate(
     num_tokens = sum(len(o.token_ids) for o in outputs)
     click.echo(
         f"{num_tokens} tokens in {elapsed:.2f} s ({num_tokens / elapsed:.1f} tokens/s)", err=True
+    )
+    if stats:
+        click.echo(spec_summary(llm), err=True)
+
+
+def spec_summary(llm: Any) -> str:
+    s = llm.engine.verifier.stats
+    positions = " ".join(f"{a:.2f}" for a in s.acceptance_per_position) or "-"
+    return (
+        f"speculation: {s.num_draft_tokens} draft tokens in {s.num_verify_steps} verify steps, "
+        f"{s.num_accepted_tokens} accepted (acceptance rate {s.acceptance_rate:.2f}, "
+        f"mean accepted length {s.mean_accepted_length:.2f}); per position: {positions}"
     )
 
 

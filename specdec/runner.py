@@ -28,6 +28,16 @@ class StepResult:
     num_logit_rows: list[int]  # [S] rows of each sampling sequence (its drafts + 1)
 
 
+@dataclass(slots=True)
+class QueryChunk:
+    """One sequence's query tokens in a forward: what to feed, where, and how many logits."""
+
+    token_ids: list[int]  # tokens to feed, at positions start .. start + len - 1
+    start: int  # position of the first token (the tokens before it are in the KV cache)
+    block_table: list[int]  # KV block ids covering every position fed
+    num_logit_rows: int = 0  # logits wanted for this many last tokens
+
+
 def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one KV block across all layers (keys and values)."""
     cfg = model.config
@@ -48,36 +58,46 @@ class ModelRunner:
         for attn, k, v in zip(model.attention_layers, self.k_caches, self.v_caches):
             attn.k_cache, attn.v_cache = k, v
 
-    @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> StepResult:
+        """One target forward over every scheduled sequence's query tokens."""
+        chunks: list[QueryChunk] = []
+        sample_indices: list[int] = []
+        num_logit_rows: list[int] = []
+        for i, (seq, n) in enumerate(zip(out.seqs, out.num_scheduled_tokens)):
+            start = seq.num_computed_tokens
+            tokens = (seq.token_ids + seq.spec_token_ids)[start : start + n]
+            rows = len(seq.spec_token_ids) + 1 if out.samples(i) else 0
+            chunks.append(QueryChunk(tokens, start, seq.block_table, rows))
+            if rows:
+                sample_indices.append(i)
+                num_logit_rows.append(rows)
+        logits, hidden = self.forward(chunks)
+        return StepResult(logits, hidden, sample_indices, num_logit_rows)
+
+    @torch.inference_mode()
+    def forward(self, chunks: list[QueryChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run ``chunks`` as one flat batch; return logits [M, V] float32 and hidden [M, H].
+
+        ``M`` is the sum of the chunks' ``num_logit_rows``: each chunk's last rows, in order.
+        """
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logit_rows: list[int] = []  # flat index of each row that needs logits
-        sample_indices: list[int] = []
-        num_logit_rows: list[int] = []
-        context_lens: list[int] = []
-        for i, (seq, n) in enumerate(zip(out.seqs, out.num_scheduled_tokens)):
-            start = seq.num_computed_tokens
-            tokens = (seq.token_ids + seq.spec_token_ids)[start : start + n]
-            table = seq.block_table
-            bs = self.block_size
-            input_ids += tokens
-            positions += range(start, start + n)
-            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
-            context_lens.append(start + n)
-            if out.samples(i):
-                rows = len(seq.spec_token_ids) + 1
-                logit_rows += range(len(input_ids) - rows, len(input_ids))
-                sample_indices.append(i)
-                num_logit_rows.append(rows)
+        bs = self.block_size
+        for c in chunks:
+            end = c.start + len(c.token_ids)
+            input_ids += c.token_ids
+            positions += range(c.start, end)
+            slots += [c.block_table[p // bs] * bs + p % bs for p in range(c.start, end)]
+            logit_rows += range(len(input_ids) - c.num_logit_rows, len(input_ids))
         slot_mapping = torch.tensor(slots, dtype=torch.long)
         meta = AttentionMetadata.build(
-            out.num_scheduled_tokens,
-            context_lens,
-            [s.block_table for s in out.seqs],
+            [len(c.token_ids) for c in chunks],
+            [c.start + len(c.token_ids) for c in chunks],
+            [c.block_table for c in chunks],
             slot_mapping,
-            self.block_size,
+            bs,
         )
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long),
@@ -85,8 +105,7 @@ class ModelRunner:
             meta,
         )
         hidden = hidden[torch.tensor(logit_rows, dtype=torch.long)]
-        logits = self.model.compute_logits(hidden).float()
-        return StepResult(logits, hidden, sample_indices, num_logit_rows)
+        return self.model.compute_logits(hidden).float(), hidden
 
     @torch.inference_mode()
     def dummy_forward(self, num_tokens: int) -> None:

@@ -97,6 +97,18 @@ class Scheduler:
         bm.allocate(seq, seq.num_computed_tokens + num_tokens)
         return num_tokens
 
+    def reserve_lookahead(self, seq: Sequence, num_positions: int) -> int:
+        """Grow ``seq``'s blocks toward ``num_positions`` for a drafter's lookahead KV writes.
+
+        Only blocks beyond one per running sequence are handed out, so that lookahead never
+        forces a preemption. Returns the positions the block table now covers.
+        """
+        bm = self.block_manager
+        spare = max(0, bm.num_free_blocks - len(self.running))
+        blocks = min(bm.blocks_needed(seq, num_positions), spare)
+        bm.allocate(seq, (len(seq.block_table) + blocks) * bm.block_size)
+        return len(seq.block_table) * bm.block_size
+
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Tokens a waiting sequence can run now (0: not yet), after prefix-cache hits."""
         bm = self.block_manager

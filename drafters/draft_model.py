@@ -1,0 +1,137 @@
+"""A smaller causal LM as drafter (Leviathan et al. 2023; Chen et al. 2023).
+
+The draft model shares the target's vocabulary and its block tables: it gets KV tensors of its
+own, indexed by the same block ids, so one block table per sequence serves both models. Each step
+it first catches up on the tokens the target accepted since it last ran (one batched forward over
+every sequence's new tokens, which also yields the first draft), then proposes the remaining
+drafts one batched forward at a time. Greedy requests take the draft's argmax; sampled requests
+sample from the draft distribution, processed exactly like the target's, and keep it for the
+verifier's min(1, p/q) test.
+
+Which positions of the draft cache are valid is found by comparing the tokens the draft was fed
+with the sequence's tokens: after a rejection, the first mismatch marks where the cache goes
+stale, and those positions are simply overwritten by the next catch-up.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from specdec.drafters.base import SpecConfig
+from specdec.engine import Engine
+from specdec.loader import load_checkpoint
+from specdec.models.llama import LlamaForCausalLM
+from specdec.runner import ModelRunner, QueryChunk
+from specdec.sampling import process_logits, sample
+from specdec.scheduler import Scheduler
+from specdec.sequence import Sequence
+
+
+class DraftModelDrafter:
+    name = "draft_model"
+
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler):
+        self.runner = runner
+        self.scheduler = scheduler
+        self.fed: dict[int, list[int]] = {}  # seq_id -> tokens whose draft KV is cached, in order
+        self.probs: dict[int, torch.Tensor] = {}  # seq_id -> [k, V] q of its current drafts
+
+    @staticmethod
+    def build(spec: SpecConfig, engine: Engine, target_config: Any) -> DraftModelDrafter:
+        """Load the draft model, check its vocabulary, give it KV tensors on the shared blocks."""
+        dtype = engine.runner.k_caches[0].dtype
+        tokenizer = spec.draft_tokenizer or engine.tokenizer
+        checkpoint = load_checkpoint(spec.draft_model, tokenizer, dtype)
+        _check_vocabulary(checkpoint.config, checkpoint.tokenizer, target_config, engine.tokenizer)
+        model = LlamaForCausalLM.from_hf(
+            checkpoint.config, checkpoint.state_dict, engine.max_model_len
+        )
+        block_manager = engine.scheduler.block_manager
+        runner = ModelRunner(model, block_manager.num_blocks, block_manager.block_size, dtype)
+        return DraftModelDrafter(runner, engine.scheduler)
+
+    def propose(self, seqs: list[Sequence], num_drafts: list[int]) -> None:
+        active, ks = [], []
+        for seq, k in zip(seqs, num_drafts):
+            seq.spec_token_ids = []
+            if k:
+                covered = self.scheduler.reserve_lookahead(seq, seq.num_tokens + k - 1)
+                k = min(k, covered - seq.num_tokens + 1)
+            if k > 0:
+                active.append(seq)
+                ks.append(k)
+        if active:
+            self._draft(active, ks)
+
+    def _draft(self, seqs: list[Sequence], ks: list[int]) -> None:
+        """Catch up and draft ``ks[i]`` tokens for each sequence, batched across sequences."""
+        chunks = [self._catch_up(seq) for seq in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        live = list(range(len(seqs)))  # sequences still drafting
+        for j in range(max(ks)):
+            logits, _ = self.runner.forward([chunks[i] for i in live])  # [len(live), V]
+            tokens, q = self._choose([seqs[i] for i in live], logits)
+            next_live = []
+            for row, i in enumerate(live):
+                seq, token = seqs[i], int(tokens[row])
+                seq.spec_token_ids.append(token)
+                probs[i].append(q[row])
+                if j + 1 < ks[i]:
+                    position = seq.num_tokens + j
+                    self.fed[seq.seq_id].append(token)
+                    chunks[i] = QueryChunk([token], position, seq.block_table, 1)
+                    next_live.append(i)
+            live = next_live
+        for seq, seq_probs in zip(seqs, probs):
+            self.probs[seq.seq_id] = torch.stack(seq_probs)
+
+    def _catch_up(self, seq: Sequence) -> QueryChunk:
+        """The tokens the draft cache lacks: from the first stale position to the last token."""
+        fed = self.fed.get(seq.seq_id, [])
+        n = min(len(fed), seq.num_tokens - 1)  # always feed the last token, for its logits
+        stale = np.flatnonzero(np.asarray(fed[:n]) != np.asarray(seq.token_ids[:n]))
+        valid = int(stale[0]) if stale.size else n
+        self.fed[seq.seq_id] = seq.token_ids[:]
+        return QueryChunk(seq.token_ids[valid:], valid, seq.block_table, 1)
+
+    def _choose(self, seqs: list[Sequence], logits: torch.Tensor):  # noqa: ANN202
+        """Next draft of each row, and the draft distribution q it was drawn from."""
+        params = [s.params for s in seqs]
+        q = process_logits(
+            logits,
+            torch.tensor([p.temperature for p in params]),
+            torch.tensor([p.top_k for p in params]),
+            torch.tensor([p.top_p for p in params]),
+            torch.tensor([p.min_p for p in params]),
+        )
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if random_rows:
+            tokens[random_rows] = sample(q[random_rows], [seqs[i].generator for i in random_rows])
+        return tokens.tolist(), q
+
+    def draft_probs(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        rows = [self.probs[s.seq_id][: len(s.spec_token_ids)] for s in seqs if s.spec_token_ids]
+        return torch.cat(rows).contiguous() if rows else None
+
+    def forget(self, seq: Sequence) -> None:
+        self.fed.pop(seq.seq_id, None)
+        self.probs.pop(seq.seq_id, None)
+
+
+def _check_vocabulary(
+    draft_config: Any, draft_tokenizer: Any, target_config: Any, target_tokenizer: Any
+) -> None:
+    if draft_config.vocab_size != target_config.vocab_size:
+        raise ValueError(
+            f"the draft model's vocabulary ({draft_config.vocab_size} tokens) differs from the "
+            f"target's ({target_config.vocab_size}): a draft model must share the target's "
+            f"tokenizer"
+        )
+    if draft_tokenizer is not target_tokenizer and (
+        draft_tokenizer.get_vocab() != target_tokenizer.get_vocab()
+    ):
+        raise ValueError("the draft model's tokenizer maps tokens differently from the target's")

@@ -1,0 +1,70 @@
+"""The draft-model drafter: its own KV on the shared block tables, exact outputs."""
+
+import pytest
+from tiny import byte_tokenizer, hf_greedy, tiny_model
+
+from specdec import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2], list(range(10, 40)) * 2, [7] * 13, [42]]
+
+
+def spec(draft, k=4, adaptive=False):
+    return {
+        "drafter": "draft_model",
+        "draft_model": draft,
+        "draft_tokenizer": byte_tokenizer(),
+        "num_speculative_tokens": k,
+        "adaptive": adaptive,
+    }
+
+
+def test_target_as_its_own_draft_accepts_every_greedy_draft(make_llm):
+    """If the draft KV were misplaced or stale, some drafts would be rejected."""
+    llm = make_llm(block_size=4)
+    llm = make_llm(block_size=4, speculative=spec(llm.hf_model))
+    outputs = llm.generate(PROMPTS, GREEDY)
+    for prompt, out in zip(PROMPTS, outputs):
+        assert out.token_ids == hf_greedy(llm.hf_model, prompt, GREEDY.max_tokens)
+    stats = llm.engine.verifier.stats
+    assert stats.num_draft_tokens > 0 and stats.acceptance_rate == 1.0
+
+
+def test_target_as_its_own_draft_accepts_every_sampled_draft(make_llm):
+    """q == p, so min(1, p/q) = 1: the draft probs reach the verifier row for row."""
+    base = make_llm()
+    llm = make_llm(speculative=spec(base.hf_model))
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=3, ignore_eos=True)
+    llm.generate(PROMPTS, params)
+    stats = llm.engine.verifier.stats
+    assert stats.num_draft_tokens > 0 and stats.acceptance_rate > 0.99
+
+
+def test_weak_draft_keeps_greedy_output_with_preemption_and_prefix_cache(make_llm):
+    draft = tiny_model("llama", seed=5, num_hidden_layers=1)
+    llm = make_llm(
+        block_size=4, num_kv_blocks=36, max_num_batched_tokens=24, speculative=spec(draft, k=3)
+    )
+    preemptions = 0
+    for _ in range(2):
+        outputs = llm.generate(PROMPTS, GREEDY)
+        for prompt, out in zip(PROMPTS, outputs):
+            assert out.token_ids == hf_greedy(llm.hf_model, prompt, GREEDY.max_tokens)
+        preemptions += sum(o.metrics.num_preemptions for o in outputs)
+    assert preemptions > 0
+    assert llm.engine.verifier.stats.num_draft_tokens > 0
+
+
+def test_adaptive_draft_model_stays_exact(make_llm):
+    base = make_llm()
+    llm = make_llm(speculative=spec(base.hf_model, k=6, adaptive=True))
+    outputs = llm.generate(PROMPTS, GREEDY)
+    for prompt, out in zip(PROMPTS, outputs):
+        assert out.token_ids == hf_greedy(llm.hf_model, prompt, GREEDY.max_tokens)
+
+
+def test_vocabulary_mismatch_is_a_clear_error():
+    target = tiny_model("llama")
+    draft = tiny_model("llama", vocab_size=320)
+    with pytest.raises(ValueError, match="vocabulary .320 tokens. differs from the target's .300"):
+        LLM(target, tokenizer=byte_tokenizer(), speculative=spec(draft))
