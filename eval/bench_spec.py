@@ -1,0 +1,184 @@
+"""Speculative decoding benchmark: which drafter pays off, per prompt style, side by side.
+
+    python -m specdec.eval.bench_spec [--dtype bfloat16] [--draft-model DIR] [--quick]
+
+On the default model, for each prompt style (``eval/prompts/{summarization,retrieval,
+code_editing,chat}.jsonl``) it times single-stream greedy generation of every prompt with: the
+engine without speculation, with prompt lookup, with a draft model (when one is given or has been
+distilled, see ``python -m specdec.drafters.distill``), ``transformers`` ``generate``, and
+``transformers`` ``generate(prompt_lookup_num_tokens=10)``. The systems take turns prompt by
+prompt, so drift in machine load hits all alike. It also reports each drafter's mean accepted
+length and acceptance rate per style, and the throughput of the 32 concurrent requests of
+``runtime.jsonl`` with and without prompt lookup. Results: ``eval/results/spec.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdec import LLM, SamplingParams
+from specdec.eval.prompts import load_prompts
+
+STYLES = ("summarization", "retrieval", "code_editing", "chat")
+RESULTS = Path("eval/results")
+
+
+def build_systems(dtype: str, draft_model: str | None) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    from specdec.loader import default_model_dir
+
+    options: dict[str, Any] = {"dtype": dtype, "kv_cache_memory_gb": 0.25}
+    systems: dict[str, Any] = {
+        "specdec": LLM(**options),
+        "specdec+prompt_lookup": LLM(**options, speculative={"drafter": "prompt_lookup"}),
+    }
+    if draft_model:
+        systems["specdec+draft_model"] = LLM(
+            **options,
+            speculative={
+                "drafter": "draft_model",
+                "draft_model": draft_model,
+                "num_speculative_tokens": 4,
+            },
+        )
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=systems["specdec"].dtype)
+    systems["hf"] = hf.eval()
+    return systems
+
+
+def run_once(name: str, system: Any, prompt: list[int], max_tokens: int) -> tuple[float, int]:
+    """Generate greedily; return (seconds, tokens generated)."""
+    start = time.perf_counter()
+    if name.startswith("hf"):
+        extra = {"prompt_lookup_num_tokens": 10} if name == "hf+prompt_lookup" else {}
+        out = system.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            **extra,
+        )
+        num_tokens = out.shape[1] - len(prompt)
+    else:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens)
+        num_tokens = len(system.generate([prompt], params)[0].token_ids)
+    return time.perf_counter() - start, num_tokens
+
+
+def single_stream(systems: dict[str, Any], style: str, quick: bool) -> dict[str, Any]:
+    records = load_prompts(style)[: 2 if quick else None]
+    chat = systems["specdec"]
+    prompts = [
+        chat.apply_chat_template([{"role": "user", "content": r["prompt"]}]) for r in records
+    ]
+    names = [*systems, "hf+prompt_lookup"]
+    before = {n: _counters(systems[n]) for n in names if n.startswith("specdec+")}
+    seconds = dict.fromkeys(names, 0.0)
+    tokens = dict.fromkeys(names, 0)
+    for prompt, record in zip(prompts, records):
+        max_tokens = record["max_tokens"] // (4 if quick else 1)
+        for name in names:
+            system = systems["hf" if name.startswith("hf") else name]
+            elapsed, count = run_once(name, system, prompt, max_tokens)
+            seconds[name] += elapsed
+            tokens[name] += count
+    row: dict[str, Any] = {f"{n}_tok_s": tokens[n] / seconds[n] for n in names}
+    base = row["specdec_tok_s"]
+    for n in names:
+        row[f"{n}_vs_specdec"] = row[f"{n}_tok_s"] / base
+    for n, (drafts, accepted, steps) in before.items():
+        d1, a1, s1 = _counters(systems[n])
+        row[f"{n}_mean_accepted_length"] = (a1 - accepted + s1 - steps) / max(1, s1 - steps)
+        row[f"{n}_acceptance_rate"] = (a1 - accepted) / max(1, d1 - drafts)
+    return row
+
+
+def _counters(llm: LLM) -> tuple[int, int, int]:
+    s = llm.engine.verifier.stats
+    return s.num_draft_tokens, s.num_accepted_tokens, s.num_verify_steps
+
+
+def concurrent(systems: dict[str, Any], quick: bool) -> dict[str, float]:
+    records = load_prompts("runtime")[: 8 if quick else None]
+    chat = systems["specdec"]
+    prompts = [
+        chat.apply_chat_template([{"role": "user", "content": r["prompt"]}]) for r in records
+    ]
+    params = [
+        SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in records
+    ]
+    times = {}
+    for name in ("specdec", "specdec+prompt_lookup"):
+        systems[name].generate(prompts[:2], params[:2])  # warm up
+        start = time.perf_counter()
+        systems[name].generate(prompts, params)
+        times[name] = time.perf_counter() - start
+    useful = sum(p.max_tokens for p in params)
+    return {
+        "num_requests": len(prompts),
+        "specdec_tok_s": useful / times["specdec"],
+        "prompt_lookup_tok_s": useful / times["specdec+prompt_lookup"],
+        "prompt_lookup_vs_specdec": times["specdec"] / times["specdec+prompt_lookup"],
+    }
+
+
+def markdown(result: dict[str, Any]) -> str:
+    rows = result["single_stream"]
+    names = [k.removesuffix("_tok_s") for k in rows[STYLES[0]] if k.endswith("_tok_s")]
+    lines = [
+        "| style | " + " | ".join(names) + " | mean accepted length |",
+        "|---" * (len(names) + 2) + "|",
+    ]
+    for style, row in rows.items():
+        cells = [f"{row[f'{n}_tok_s']:.1f} ({row[f'{n}_vs_specdec']:.2f}x)" for n in names]
+        mal = ", ".join(
+            f"{n.removeprefix('specdec+')}: {row[f'{n}_mean_accepted_length']:.2f}"
+            for n in names
+            if f"{n}_mean_accepted_length" in row
+        )
+        lines.append(f"| {style} | " + " | ".join(cells) + f" | {mal} |")
+    c = result["concurrent"]
+    lines.append(
+        f"\n{c['num_requests']} concurrent requests: prompt lookup "
+        f"{c['prompt_lookup_tok_s']:.1f} tok/s vs {c['specdec_tok_s']:.1f} without "
+        f"({c['prompt_lookup_vs_specdec']:.2f}x)."
+    )
+    return f"dtype {result['dtype']}, tokens/s (ratio to specdec without speculation)\n\n" + (
+        "\n".join(lines) + "\n"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--draft-model", default=None, help="HF directory of a draft model")
+    parser.add_argument("--quick", action="store_true", help="2 prompts per style, short outputs")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    systems = build_systems(args.dtype, args.draft_model)
+    with torch.inference_mode():
+        for name in [*systems, "hf+prompt_lookup"]:  # warm up every system
+            run_once(name, systems["hf" if name.startswith("hf") else name], [1, 2, 3], 4)
+        result: dict[str, Any] = {"dtype": args.dtype, "single_stream": {}}
+        for style in STYLES:
+            print(f"[{args.dtype}] {style} ...", flush=True)
+            result["single_stream"][style] = single_stream(systems, style, args.quick)
+        print(f"[{args.dtype}] concurrent requests ...", flush=True)
+        result["concurrent"] = concurrent(systems, args.quick)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"spec_{args.dtype}"
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2))
+    table = markdown(result)
+    (args.out / f"{stem}.md").write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
