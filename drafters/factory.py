@@ -19,7 +19,12 @@ def enable_speculation(engine: Engine, spec: SpecConfig, target_config: Any) -> 
         from specdec.drafters.draft_model import DraftModelDrafter
 
         drafter = DraftModelDrafter.build(spec, engine, target_config)
-    cost = StepCostModel.measure(engine.runner.dummy_forward) if spec.adaptive else None
+    cost = draft_cost = None
+    if spec.adaptive:
+        cost = StepCostModel.measure(engine.runner.dummy_forward)
+        draft_runner = getattr(drafter, "runner", None)
+        if draft_runner is not None:  # a drafter with a model of its own: time it too
+            draft_cost = StepCostModel.measure(draft_runner.dummy_forward, sizes=(1, 8, 32))
     engine.drafter = drafter
-    engine.policy = AdaptivePolicy(spec.num_speculative_tokens, cost)
+    engine.policy = AdaptivePolicy(spec.num_speculative_tokens, cost, draft_cost)
     engine.verifier.drafter = drafter

@@ -9,7 +9,9 @@ Two facts decide whether a draft is worth verifying:
   ``a**j`` expected tokens;
 * what it costs. A step's time ``t(N)`` grows with its number of query tokens ``N``: flat while
   reading the weights dominates, then linear once matmuls are compute-bound (a saturated batch).
-  :class:`StepCostModel` measures ``t(N)`` on the real model at start-up.
+  :class:`StepCostModel` measures ``t(N)`` on the real model at start-up. A draft model adds one
+  of its own forwards per draft depth (``k`` drafts take ``k`` sequential draft forwards), timed
+  the same way.
 
 The policy hands out drafts one at a time, always to the sequence whose next draft is most
 likely accepted, while the batch's expected tokens per second still rises: a draft is added only
@@ -64,9 +66,12 @@ class StepCostModel:
 class AdaptivePolicy:
     """Chooses each sequence's number of drafts from its acceptance and the batch's step cost."""
 
-    def __init__(self, max_drafts: int, cost: StepCostModel | None):
+    def __init__(
+        self, max_drafts: int, cost: StepCostModel | None, draft_cost: StepCostModel | None = None
+    ):
         self.max_drafts = max_drafts
         self.cost = cost  # None: fixed k (every eligible sequence gets max_drafts)
+        self.draft_cost = draft_cost  # time of one drafter forward over N sequences, if any
         self.acceptance: dict[int, float] = {}  # seq_id -> moving average of acceptance
         self.seen: dict[int, tuple[int, int]] = {}  # seq_id -> (draft, accepted) counters used
 
@@ -77,7 +82,7 @@ class AdaptivePolicy:
             return limits
         rates = [self._observe(seq) for seq in seqs]
         ks = [0] * len(seqs)
-        num_tokens = len(seqs)
+        num_tokens, depth = len(seqs), 0
         expected = float(len(seqs))
         while True:
             gains = [
@@ -86,13 +91,20 @@ class AdaptivePolicy:
             best = max(range(len(seqs)), key=gains.__getitem__, default=None)
             if best is None or gains[best] <= 0:
                 return ks
-            if (expected + gains[best]) * self.cost(num_tokens) <= expected * self.cost(
-                num_tokens + 1
-            ):
+            new_depth = max(depth, ks[best] + 1)
+            now = self._step_time(num_tokens, depth, len(seqs))
+            then = self._step_time(num_tokens + 1, new_depth, len(seqs))
+            if (expected + gains[best]) * now <= expected * then:
                 return ks
             ks[best] += 1
             expected += gains[best]
-            num_tokens += 1
+            num_tokens, depth = num_tokens + 1, new_depth
+
+    def _step_time(self, num_tokens: int, depth: int, batch: int) -> float:
+        """Target forward over ``num_tokens`` plus ``depth`` sequential drafter forwards."""
+        assert self.cost is not None
+        drafting = depth * self.draft_cost(batch) if self.draft_cost is not None else 0.0
+        return self.cost(num_tokens) + drafting
 
     def forget(self, seq: Sequence) -> None:
         self.acceptance.pop(seq.seq_id, None)

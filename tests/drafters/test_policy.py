@@ -52,3 +52,11 @@ def test_limits_prefill_max_tokens_and_per_request_cap():
     capped.params.num_speculative_tokens = 3
     assert policy.num_drafts([prefilling, near_end, capped, decoding_seq(3)], 1000) == [0, 2, 3, 8]
     assert policy.num_drafts([decoding_seq(4)], max_model_len=22) == [1]
+
+
+def test_an_expensive_draft_model_is_not_worth_running():
+    seq = decoding_seq(0)
+    cheap = AdaptivePolicy(max_drafts=4, cost=FLAT, draft_cost=StepCostModel([(1, 0.01)]))
+    costly = AdaptivePolicy(max_drafts=4, cost=FLAT, draft_cost=StepCostModel([(1, 1.0)]))
+    assert cheap.num_drafts([seq], 1000) == [4]
+    assert costly.num_drafts([seq], 1000) == [0]
