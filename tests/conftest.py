@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-import sys
+import os
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
-import pytest
+import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+# Triton chooses its interpreter when first imported (specdec imports it through transformers and
+# torch._dynamo), so without CUDA the kernels must be switched to the interpreter before that.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tiny import byte_tokenizer, tiny_model  # noqa: E402
+import pytest  # noqa: E402
 
 from specdec import LLM  # noqa: E402
+from tests.tiny import byte_tokenizer, tiny_model  # noqa: E402
 
 
 @pytest.fixture

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from tiny import VOCAB, hf_greedy
 
 from specdec import SamplingParams
+from tests.tiny import VOCAB, hf_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 47)), [7] * 13, [200], list(range(60, 80)) + [5, 6]]

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chi2_contingency
-from tiny import hf_greedy
 
 from specdec import SamplingParams
 from specdec.drafters import SpecConfig
 from specdec.sequence import Sequence
+from tests.tiny import hf_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
 REPETITIVE = [[1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2], list(range(10, 40)) * 2, [7] * 13, [200]]

@@ -105,12 +105,21 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         return emb.cos() * scaling, emb.sin() * scaling
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        cos = self.cos[positions].to(x.dtype).unsqueeze(1)  # [N, 1, D]
-        sin = self.sin[positions].to(x.dtype).unsqueeze(1)
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """cos and sin at ``positions``, looked up once per forward and shared by all layers."""
+        cos = self.cos[positions].to(dtype).unsqueeze(1)  # [N, 1, D]
+        sin = self.sin[positions].to(dtype).unsqueeze(1)  # [N, 1, D]
+        return cos, sin
+
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [N, 1, D] each
+
+
+def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:  # [N, H, D] -> [N, H, D]
+    cos, sin = rope
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # rotate_half, as transformers
+    return x * cos + rotated * sin
 
 
 class Attention(nn.Module):
@@ -133,15 +142,14 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        x: torch.Tensor,  # [N, hidden]
+        rope: Rope,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = rope(positions, q.view(n, self.num_heads, self.head_dim))
-        k = rope(positions, k.view(n, self.num_kv_heads, self.head_dim))
+        q = apply_rope(q.view(n, self.num_heads, self.head_dim), rope)
+        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), rope)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(out.reshape(n, self.q_size))
@@ -168,12 +176,11 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        x: torch.Tensor,  # [N, hidden]
+        rope: Rope,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, meta)
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -199,8 +206,9 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:  # [N, hidden]
         x = self.embed_tokens(input_ids)  # [N, hidden]
+        rope = self.rope(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, self.rope, meta)
+            x = layer(x, rope, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, hidden] -> [M, V]

@@ -1,9 +1,9 @@
 """The draft-model drafter: its own KV on the shared block tables, exact outputs."""
 
 import pytest
-from tiny import byte_tokenizer, hf_greedy, tiny_model
 
 from specdec import LLM, SamplingParams
+from tests.tiny import byte_tokenizer, hf_greedy, tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2], list(range(10, 40)) * 2, [7] * 13, [42]]

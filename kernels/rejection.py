@@ -1,0 +1,360 @@
+"""Exact rejection sampling of drafts: the fused Triton kernel, its launcher and its torch reference.
+
+Speculative sampling (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
+Decoding"; Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative
+Sampling") keeps the output distribution of the target model exactly. For each sequence with
+drafts ``d_0 .. d_{k-1}``, draft distributions ``q_j`` and target distributions ``p_j``:
+
+    accepted token: draft ``d_j`` is kept with probability ``min(1, p_j(d_j) / q_j(d_j))``, decided
+        in order, as ``p_j(d_j) > 0 and u_j * q_j(d_j) <= p_j(d_j)`` with ``u_j ~ U[0, 1)``.
+    recovered token: at the first rejected position ``j`` a token is drawn from
+        ``norm(max(0, p_j - q_j))`` and the sequence ends there. If that residual is all zero (only
+        possible through rounding) the token is drawn from ``p_j`` instead.
+    bonus token: if all ``k`` drafts are accepted, one more token is drawn from ``p_k``.
+    greedy row: drafts are accepted while they equal ``argmax p_j``; the emitted token at the first
+        mismatch (or at the bonus position) is that argmax. Greedy rows use no randomness, and as
+        only their argmax matters their rows may hold raw logits instead of probabilities.
+
+A deterministic drafter passes no ``draft_probs``: ``q_j`` is then one-hot at ``d_j``, so the accept
+probability is ``p_j(d_j)`` and the residual is ``p_j`` with ``d_j`` zeroed.
+
+Tokens are drawn without normalising by an exponential race: ``argmax_v r_v / E_v`` with
+``E_v ~ Exp(1)`` picks ``v`` with probability ``r_v / sum(r)``. One noise vector per sequence serves
+its recovered or bonus token, since exactly one of the two is drawn. All randomness comes in as
+float64 tensors, so the kernel and the reference, fed the same noise, emit the same tokens.
+
+Both implementations take the same arguments and return ``(output_token_ids, num_accepted)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+PROB_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _rejection_sample_kernel(
+    output_token_ids_ptr,  # [B, max_k + 1] int64, filled with -1 by the launcher
+    num_accepted_ptr,  # [B] int64
+    draft_token_ids_ptr,  # [T] int64
+    cu_num_draft_tokens_ptr,  # [B] int64
+    draft_probs_ptr,  # [T, V] float; read only if HAS_DRAFT_PROBS
+    target_probs_ptr,  # [T + B, V] float
+    is_greedy_ptr,  # [B] bool
+    accept_uniforms_ptr,  # [T] float64
+    race_exponentials_ptr,  # [B, V] float64
+    vocab_size,
+    output_stride,
+    HAS_DRAFT_PROBS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # One program walks one sequence. Each step either accepts a draft from two scalar loads
+    # (random rows) or makes one pass over the vocabulary that yields the greedy argmax, the
+    # recovered token or the bonus token; the walk ends at the first position not accepted.
+    seq = tl.program_id(0).to(tl.int64)
+    draft_start = tl.load(cu_num_draft_tokens_ptr + seq - 1, mask=seq > 0, other=0)
+    num_drafts = tl.load(cu_num_draft_tokens_ptr + seq) - draft_start
+    sampled = tl.load(is_greedy_ptr + seq) == 0  # a random (non-greedy) row
+    j = num_drafts * 0  # position in the sequence == number of drafts accepted so far
+    done = num_drafts < 0
+    while done == 0:
+        draft_row = draft_start + j  # row in draft_token_ids / draft_probs
+        target_row = draft_row + seq  # row in target_probs: sequence i has i earlier bonus rows
+        is_draft = j < num_drafts
+        token = tl.load(draft_token_ids_ptr + draft_row, mask=is_draft, other=-1)
+        test = is_draft & sampled  # a draft of a random row: the ratio test decides
+        p_d = tl.load(target_probs_ptr + target_row * vocab_size + token, mask=test, other=0)
+        p_d = p_d.to(tl.float32).to(tl.float64)
+        q_d = 1.0  # one-hot q at the draft
+        if HAS_DRAFT_PROBS:
+            q_d = tl.load(draft_probs_ptr + draft_row * vocab_size + token, mask=test, other=0)
+            q_d = q_d.to(tl.float32).to(tl.float64)
+        u = tl.load(accept_uniforms_ptr + draft_row, mask=test, other=1.0)
+        accept = test & (p_d > 0) & (u * q_d <= p_d)
+        if accept == 0:
+            raced = _race_row(
+                target_probs_ptr + target_row * vocab_size,
+                draft_probs_ptr + draft_row * vocab_size,
+                race_exponentials_ptr + seq * vocab_size,
+                token,
+                test,  # subtract q: this is a rejected draft of a random row
+                sampled,
+                vocab_size,
+                HAS_DRAFT_PROBS,
+                BLOCK,
+            )
+            accept = is_draft & (sampled == 0) & (raced == token)  # a greedy draft that matches
+            token = tl.where(accept, token, raced)
+        tl.store(output_token_ids_ptr + seq * output_stride + j, token)
+        j += accept.to(tl.int64)
+        done = accept == 0
+    tl.store(num_accepted_ptr + seq, j)
+
+
+@triton.jit
+def _race_row(
+    p_ptr,  # [V] target row
+    q_ptr,  # [V] draft row, read if use_q and HAS_DRAFT_PROBS
+    noise_ptr,  # [V] float64 Exp(1) noise, read if sampled
+    token,  # the draft: q is one-hot here without draft probs
+    use_q,  # subtract q (a rejected draft) or not (bonus position, greedy row)
+    sampled,  # a random row (race with the noise) or a greedy one (plain argmax of p)
+    vocab_size,
+    HAS_DRAFT_PROBS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Random rows: argmax_v r_v / E_v over r = max(0, p - q), or over p if r is all zero.
+
+    Greedy rows: argmax_v p_v of the raw values, so their rows may hold logits.
+    """
+    best_r = tl.zeros((), tl.float64) - 1.0
+    best_p = tl.zeros((), tl.float64) - float("inf")
+    arg_r = tl.zeros((), tl.int32)
+    arg_p = tl.zeros((), tl.int32)
+    for start in range(0, vocab_size, BLOCK):
+        offs = start + tl.arange(0, BLOCK)  # [BLOCK]
+        in_vocab = offs < vocab_size
+        p = tl.load(p_ptr + offs, mask=in_vocab, other=0).to(tl.float32)
+        # Masks mixing a block with a scalar flag go through tl.where: Triton's interpreter does
+        # not keep `block & scalar` boolean.
+        if HAS_DRAFT_PROBS:
+            q = tl.load(q_ptr + offs, mask=tl.where(use_q, in_vocab, False), other=0)
+            q = q.to(tl.float32)
+        else:
+            q = tl.where(tl.where(use_q, offs == token, False), 1.0, 0.0)
+        r = tl.maximum(p - q, 0.0)
+        noise = tl.load(noise_ptr + offs, mask=tl.where(sampled, in_vocab, False), other=1.0)
+        score_r = tl.where(in_vocab, tl.where(r > 0, r.to(tl.float64) / noise, 0.0), -1.0)
+        race_p = tl.where(p > 0, p.to(tl.float64) / noise, 0.0)
+        score_p = tl.where(in_vocab, tl.where(sampled, race_p, p.to(tl.float64)), -float("inf"))
+        block_r, block_arg_r = tl.max(score_r, 0, return_indices=True)  # first index of the max
+        block_p, block_arg_p = tl.max(score_p, 0, return_indices=True)
+        arg_r = tl.where(block_r > best_r, start + block_arg_r, arg_r)  # earlier blocks win ties
+        arg_p = tl.where(block_p > best_p, start + block_arg_p, arg_p)
+        best_r = tl.maximum(best_r, block_r)
+        best_p = tl.maximum(best_p, block_p)
+    return tl.where(sampled & (best_r > 0), arg_r, arg_p).to(tl.int64)
+
+
+def rejection_sample_triton(
+    draft_token_ids: torch.Tensor,  # [T] int64
+    cu_num_draft_tokens: torch.Tensor,  # [B] int64, inclusive cumulative sum of k_i
+    draft_probs: torch.Tensor | None,  # [T, V] float32/float16/bfloat16, or None (one-hot q)
+    target_probs: torch.Tensor,  # [T + B, V] float32/float16/bfloat16
+    is_greedy: torch.Tensor,  # [B] bool
+    accept_uniforms: torch.Tensor,  # [T] float64 in [0, 1)
+    race_exponentials: torch.Tensor,  # [B, V] float64, Exp(1)
+    max_k: int,  # max_i k_i
+) -> tuple[torch.Tensor, torch.Tensor]:  # [B, max_k + 1] int64 (-1 padded), [B] int64
+    """Launch the fused kernel, one program per sequence.
+
+    CUDA tensors run the compiled kernel. CPU tensors need Triton's interpreter, selected by
+    ``TRITON_INTERPRET=1`` before triton is first imported; it is exact but slow, meant for tests.
+    """
+    check_inputs(
+        draft_token_ids,
+        cu_num_draft_tokens,
+        draft_probs,
+        target_probs,
+        is_greedy,
+        accept_uniforms,
+        race_exponentials,
+    )
+    batch, vocab = cu_num_draft_tokens.numel(), target_probs.shape[1]
+    device = target_probs.device
+    output_token_ids = torch.full((batch, max_k + 1), -1, dtype=torch.int64, device=device)
+    num_accepted = torch.zeros(batch, dtype=torch.int64, device=device)
+    if batch == 0:
+        return output_token_ids, num_accepted
+    kernel = _kernel_for(device)
+    kernel[(batch,)](
+        output_token_ids,
+        num_accepted,
+        draft_token_ids,
+        cu_num_draft_tokens,
+        target_probs if draft_probs is None else draft_probs,
+        target_probs,
+        is_greedy,
+        accept_uniforms,
+        race_exponentials,
+        vocab,
+        output_token_ids.stride(0),
+        HAS_DRAFT_PROBS=draft_probs is not None,
+        BLOCK=min(triton.next_power_of_2(vocab), 2048 if device.type == "cuda" else 8192),
+        num_warps=8,
+        enable_fp_fusion=False,  # no fused multiply-adds: match the reference bit for bit
+    )
+    return output_token_ids, num_accepted
+
+
+def _kernel_for(device: torch.device) -> triton.JITFunction | InterpretedFunction:
+    """The kernel, once checked to run: compiled for CUDA, or in the interpreter for CPU tensors."""
+    interpreted = isinstance(_rejection_sample_kernel, InterpretedFunction)
+    if interpreted != isinstance(tl.max, InterpretedFunction):
+        raise RuntimeError(
+            "TRITON_INTERPRET changed after triton was imported; set it before anything imports "
+            "triton (torch._dynamo and transformers do), e.g. at the top of tests/conftest.py"
+        )
+    if device.type != "cuda" and not interpreted:
+        raise RuntimeError(
+            "the Triton rejection kernel needs CUDA tensors, or TRITON_INTERPRET=1 set before "
+            "triton is first imported to run on CPU; use backend='torch' otherwise"
+        )
+    return _rejection_sample_kernel
+
+
+def check_inputs(
+    draft_token_ids: torch.Tensor,  # [T]
+    cu_num_draft_tokens: torch.Tensor,  # [B]
+    draft_probs: torch.Tensor | None,  # [T, V]
+    target_probs: torch.Tensor,  # [T + B, V]
+    is_greedy: torch.Tensor,  # [B]
+    accept_uniforms: torch.Tensor,  # [T]
+    race_exponentials: torch.Tensor,  # [B, V]
+) -> None:
+    """Raise ValueError on a wrong dtype, shape, device or memory layout (no device sync)."""
+    if target_probs.dim() != 2:
+        raise ValueError(
+            f"target_probs must be 2-D [T + B, V], got shape {tuple(target_probs.shape)}"
+        )
+    num_drafts, batch = draft_token_ids.numel(), cu_num_draft_tokens.numel()
+    vocab = target_probs.shape[1]
+    expected = {
+        "draft_token_ids": (draft_token_ids, (num_drafts,), (torch.int64,)),
+        "cu_num_draft_tokens": (cu_num_draft_tokens, (batch,), (torch.int64,)),
+        "target_probs": (target_probs, (num_drafts + batch, vocab), PROB_DTYPES),
+        "is_greedy": (is_greedy, (batch,), (torch.bool,)),
+        "accept_uniforms": (accept_uniforms, (num_drafts,), (torch.float64,)),
+        "race_exponentials": (race_exponentials, (batch, vocab), (torch.float64,)),
+    }
+    if draft_probs is not None:
+        expected["draft_probs"] = (draft_probs, (num_drafts, vocab), PROB_DTYPES)
+    for name, (tensor, shape, dtypes) in expected.items():
+        if tensor.dtype not in dtypes:
+            raise ValueError(f"{name} must have dtype in {dtypes}, got {tensor.dtype}")
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(tensor.shape)}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+        if tensor.device != target_probs.device:
+            raise ValueError(f"{name} is on {tensor.device}, target_probs on {target_probs.device}")
+
+
+def rejection_sample_reference(
+    draft_token_ids: torch.Tensor,  # [T] int64
+    cu_num_draft_tokens: torch.Tensor,  # [B] int64
+    draft_probs: torch.Tensor | None,  # [T, V] or None (one-hot q)
+    target_probs: torch.Tensor,  # [T + B, V]
+    is_greedy: torch.Tensor,  # [B] bool
+    accept_uniforms: torch.Tensor,  # [T] float64
+    race_exponentials: torch.Tensor,  # [B, V] float64
+    max_k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [B, max_k + 1] int64 (-1 padded), [B] int64
+    """The specification the kernel is tested against, vectorised over the whole batch."""
+    check_inputs(
+        draft_token_ids,
+        cu_num_draft_tokens,
+        draft_probs,
+        target_probs,
+        is_greedy,
+        accept_uniforms,
+        race_exponentials,
+    )
+    batch, num_drafts = cu_num_draft_tokens.numel(), draft_token_ids.numel()
+    device = target_probs.device
+    k = torch.diff(cu_num_draft_tokens, prepend=cu_num_draft_tokens.new_zeros(1))  # [B]
+    seq_of_draft = torch.repeat_interleave(torch.arange(batch, device=device), k)  # [T]
+    draft_rows = torch.arange(num_drafts, device=device)  # [T]
+    position = draft_rows - (cu_num_draft_tokens - k)[seq_of_draft]  # [T] j within its sequence
+    target_rows = draft_rows + seq_of_draft  # [T]
+    accept = _accept_drafts(
+        draft_token_ids,
+        draft_probs,
+        target_probs,
+        target_rows,
+        is_greedy[seq_of_draft],
+        accept_uniforms,
+    )  # [T]
+    accepted = torch.zeros(batch, max_k, dtype=torch.long, device=device)
+    accepted[seq_of_draft, position] = accept.long()
+    num_accepted = accepted.cumprod(dim=1).sum(dim=1)  # [B] length of the accepted prefix
+    final = _final_tokens(
+        draft_token_ids,
+        cu_num_draft_tokens - k,
+        k,
+        num_accepted,
+        draft_probs,
+        target_probs,
+        is_greedy,
+        race_exponentials,
+    )  # [B]
+    output = torch.full((batch, max_k + 1), -1, dtype=torch.int64, device=device)
+    keep = position < num_accepted[seq_of_draft]  # [T]
+    output[seq_of_draft[keep], position[keep]] = draft_token_ids[keep]
+    output[torch.arange(batch, device=device), num_accepted] = final
+    return output, num_accepted
+
+
+def _accept_drafts(
+    draft_token_ids: torch.Tensor,  # [T]
+    draft_probs: torch.Tensor | None,  # [T, V]
+    target_probs: torch.Tensor,  # [T + B, V]
+    target_rows: torch.Tensor,  # [T] row of p at each draft position
+    greedy: torch.Tensor,  # [T] bool, the draft's sequence is greedy
+    accept_uniforms: torch.Tensor,  # [T] float64
+) -> torch.Tensor:  # [T] bool, the draft passes its own test (ignoring earlier rejections)
+    rows = torch.arange(draft_token_ids.numel(), device=draft_token_ids.device)  # [T]
+    p_d = target_probs[target_rows, draft_token_ids].float().double()  # [T]
+    q_d = torch.ones_like(p_d)  # [T] one-hot q
+    if draft_probs is not None:
+        q_d = draft_probs[rows, draft_token_ids].float().double()
+    accept = (p_d > 0) & (accept_uniforms * q_d <= p_d)  # [T]
+    # Greedy drafts must equal the argmax, the first index among ties, as in the kernel.
+    argmax = target_probs[target_rows[greedy]].float().argmax(dim=-1)  # [T_greedy]
+    accept[greedy] = argmax == draft_token_ids[greedy]
+    return accept
+
+
+def _final_tokens(
+    draft_token_ids: torch.Tensor,  # [T]
+    draft_start: torch.Tensor,  # [B] first draft row of each sequence
+    k: torch.Tensor,  # [B] number of drafts
+    num_accepted: torch.Tensor,  # [B]
+    draft_probs: torch.Tensor | None,  # [T, V]
+    target_probs: torch.Tensor,  # [T + B, V]
+    is_greedy: torch.Tensor,  # [B] bool
+    race_exponentials: torch.Tensor,  # [B, V] float64
+) -> torch.Tensor:  # [B] the recovered, bonus or greedy token of each sequence
+    batch = k.numel()
+    seqs = torch.arange(batch, device=k.device)
+    p = target_probs[draft_start + seqs + num_accepted].float()  # [B, V]
+    residual = ~is_greedy & (num_accepted < k)  # [B] a random row that rejected a draft
+    q = torch.zeros_like(p)  # [B, V]
+    rows = (draft_start + num_accepted)[residual]  # draft rows of the rejected drafts
+    if draft_probs is None:
+        q[seqs[residual], draft_token_ids[rows]] = 1.0
+    else:
+        q[residual] = draft_probs[rows].float()
+    # Greedy rows take the argmax of the raw values (they may be logits); their noise is unread.
+    return torch.where(is_greedy, p.argmax(dim=1), _race(p, q, race_exponentials))
+
+
+def _race(
+    p: torch.Tensor,  # [N, V] float32
+    q: torch.Tensor,  # [N, V] float32, zero where nothing is subtracted
+    noise: torch.Tensor,  # [N, V] float64 Exp(1) noise
+) -> torch.Tensor:  # [N] int64
+    """Exponential race over max(0, p - q), falling back to p where that is all zero."""
+    r = (p - q).clamp_min(0.0)  # [N, V]
+    score_r = torch.where(r > 0, r.double() / noise, 0.0)  # [N, V]
+    best_r, token = score_r.max(dim=1)  # [N], the first index of the max, as in the kernel
+    fallback = best_r <= 0  # [N] rows whose residual is all zero
+    if bool(fallback.any()):
+        p_f = p[fallback]  # [F, V]
+        score_p = torch.where(p_f > 0, p_f.double() / noise[fallback], 0.0)  # [F, V]
+        token[fallback] = score_p.argmax(dim=1)
+    return token
