@@ -1,5 +1,7 @@
 """The embedded default model (SmolLM2-135M-Instruct): greedy output equals transformers'."""
 
+import copy
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -38,17 +40,35 @@ def reference(hf_model):
     return prompts, outputs
 
 
-@pytest.mark.parametrize(
-    "options",
-    [
-        {},
-        {"max_num_batched_tokens": 20, "block_size": 8},  # chunked prefill
-        {"num_kv_blocks": 9, "block_size": 16},  # preemption
-    ],
-    ids=["batched", "chunked-prefill", "preemption"],
-)
-def test_greedy_matches_transformers(reference, options):
+def truncated_draft(hf_model, num_layers: int = 2):
+    """A draft for tests: the target's first layers, with its embeddings and head."""
+    draft = copy.deepcopy(hf_model)
+    draft.model.layers = torch.nn.ModuleList(list(draft.model.layers)[:num_layers])
+    draft.config.num_hidden_layers = num_layers
+    return draft
+
+
+PROMPT_LOOKUP = {"drafter": "prompt_lookup", "num_speculative_tokens": 6}
+CONFIGS = {
+    "batched": {},
+    "chunked-prefill": {"max_num_batched_tokens": 20, "block_size": 8},
+    "preemption": {"num_kv_blocks": 9, "block_size": 16},
+    "prompt-lookup-chunked": {"max_num_batched_tokens": 24, "speculative": PROMPT_LOOKUP},
+    "prompt-lookup-preemption": {"num_kv_blocks": 9, "speculative": PROMPT_LOOKUP},
+    "draft-model-preemption": {"num_kv_blocks": 10, "speculative": "draft"},
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_matches_transformers(hf_model, reference, name):
     prompts, expected = reference
+    options = dict(CONFIGS[name])
+    if options.get("speculative") == "draft":
+        options["speculative"] = {
+            "drafter": "draft_model",
+            "num_speculative_tokens": 3,
+            "draft_model": truncated_draft(hf_model),
+        }
     llm = LLM(**options)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     preemptions = 0
@@ -59,6 +79,8 @@ def test_greedy_matches_transformers(reference, options):
         preemptions += sum(o.metrics.num_preemptions for o in outputs)
     assert preemptions > 0 or "num_kv_blocks" not in options
     assert all(o.metrics.num_cached_tokens > 0 for o in outputs)
+    if "speculative" in options:
+        assert llm.engine.verifier.stats.num_draft_tokens > 0
 
 
 def test_cli_generate_prints_completions():

@@ -1,0 +1,96 @@
+"""The FastAPI application: configuration, shared state, middleware and lifespan.
+
+``build_app(llm, config)`` returns an ASGI app that owns ``llm`` while it runs: its lifespan starts
+the engine thread (:class:`~specdec.serving.bridge.AsyncEngine`) and stops it on shutdown.
+Run it with uvicorn (``specdec serve``), or in a background thread with
+:class:`~specdec.serving.server.BackgroundServer`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI
+
+from specdec.llm import LLM
+from specdec.serving.bridge import AsyncEngine
+from specdec.serving.errors import install_error_handlers
+from specdec.serving.limits import AdmissionGate, ApiKeyMiddleware, BodyLimitMiddleware
+from specdec.serving.metrics import RequestCountMiddleware, ServerMetrics
+from specdec.serving.routes import router
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """How the HTTP server behaves; the engine itself is configured on the ``LLM``."""
+
+    served_model_name: str | None = None  # the name clients send as `model`; None: the LLM's
+    api_key: str | None = None  # if set, /v1/... needs `Authorization: Bearer <api_key>`
+    max_concurrent: int = 256  # most sequences on the engine at once (prompts x n per request)
+    max_queue: int = 1024  # most requests waiting for room; beyond, 503 with Retry-After
+    max_body_bytes: int = 4 * 2**20  # larger request bodies get 413
+    retry_after_s: int = 1  # the Retry-After of a 503
+
+    def __post_init__(self) -> None:
+        for name in ("max_concurrent", "max_body_bytes", "retry_after_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (leave it unset for an open server)")
+
+
+@dataclass(slots=True)
+class ServerState:
+    """What the route handlers share, at ``app.state.server``."""
+
+    llm: LLM  # tokenizer and chat template (used on the loop); its engine is the thread's
+    config: ServerConfig
+    model_name: str  # the served name
+    engine: AsyncEngine  # the bridge to the engine thread
+    metrics: ServerMetrics
+    gate: AdmissionGate  # --max-concurrent and --max-queue
+    created: int = field(default_factory=lambda: int(time.time()))  # server start, Unix time
+
+
+def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
+    """An OpenAI-compatible app serving ``llm`` (which it owns from startup to shutdown)."""
+    config = config or ServerConfig()
+    metrics = ServerMetrics()
+    state = ServerState(
+        llm=llm,
+        config=config,
+        model_name=config.served_model_name or llm.model_name,
+        engine=AsyncEngine(llm.engine, on_iteration=metrics.observe_engine),
+        metrics=metrics,
+        gate=AdmissionGate(config.max_concurrent, config.max_queue, config.retry_after_s),
+    )
+    metrics.queued.set_function(lambda: state.gate.num_waiting)
+    metrics.observe_engine(llm.engine)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(state.engine.shutdown)
+
+    app = FastAPI(title="specdec", version="0.1.0", lifespan=lifespan)
+    app.state.server = state
+    app.include_router(router)
+    install_error_handlers(app)
+    # The last added is the outermost: count everything, then check the key, then the size.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    if config.api_key is not None:
+        app.add_middleware(
+            ApiKeyMiddleware, api_key=config.api_key, is_protected=lambda p: p.startswith("/v1/")
+        )
+    routes = frozenset(getattr(r, "path", "") for r in router.routes)
+    app.add_middleware(RequestCountMiddleware, metrics=metrics, routes=routes)
+    return app

@@ -1,0 +1,106 @@
+"""``specdec serve``: the OpenAI-compatible server on the command line.
+
+The command is a standalone ``click.Command``; ``specdec/cli.py`` registers it on the ``specdec``
+group with ``main.add_command(serve)``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+
+import click
+import uvicorn
+
+from specdec.cli_options import spec_config, speculation_options
+
+logger = logging.getLogger(__name__)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+@click.command()
+@click.option(
+    "--model",
+    default=None,
+    help="HF model directory or GGUF file (default: the embedded SmolLM2-135M-Instruct).",
+)
+@click.option(
+    "--dtype", default="float32", type=click.Choice(["float32", "bfloat16"]), show_default=True
+)
+@speculation_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option(
+    "--api-key",
+    envvar="SPECDEC_API_KEY",
+    show_envvar=True,
+    default=None,
+    help="Require `Authorization: Bearer KEY` on /v1/... (default: no key).",
+)
+@click.option(
+    "--max-concurrent",
+    default=256,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Most sequences on the engine at once (a request holds prompts x n).",
+)
+@click.option(
+    "--max-queue",
+    default=1024,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Most requests waiting for room; beyond, 503 with Retry-After.",
+)
+@click.option("--served-model-name", default=None, help="Name clients send as `model`.")
+@click.option("--max-model-len", default=None, type=int, help="Longest prompt + output.")
+@click.option("--max-num-seqs", default=64, show_default=True, type=int, help="Batch size cap.")
+@click.option("--kv-cache-memory-gb", default=1.0, show_default=True, type=float)
+@click.option("--log-level", default="info", show_default=True)
+def serve(
+    model: str | None,
+    dtype: str,
+    drafter: str,
+    draft_model: str | None,
+    num_speculative_tokens: int,
+    host: str,
+    port: int,
+    api_key: str | None,
+    max_concurrent: int,
+    max_queue: int,
+    served_model_name: str | None,
+    max_model_len: int | None,
+    max_num_seqs: int,
+    kv_cache_memory_gb: float,
+    log_level: str,
+) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
+    from specdec.llm import LLM
+    from specdec.serving.app import ServerConfig, build_app
+
+    try:
+        config = ServerConfig(served_model_name, api_key, max_concurrent, max_queue)
+        llm = LLM(
+            model,
+            dtype=dtype,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            kv_cache_memory_gb=kv_cache_memory_gb,
+            speculative=spec_config(drafter, draft_model, num_speculative_tokens),
+        )
+    except (ValueError, FileNotFoundError) as e:
+        raise click.ClickException(str(e)) from e
+    if api_key is None and not _is_loopback(host):
+        click.echo(f"warning: serving on {host} with no --api-key: anyone can use it", err=True)
+    app = build_app(llm, config)
+    click.echo(f"serving {llm.model_name} at http://{host}:{port}/v1", err=True)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+
+
+if __name__ == "__main__":
+    serve()

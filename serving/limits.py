@@ -1,0 +1,142 @@
+"""What the server lets in: the API key, the body size, and how many requests run or wait.
+
+Terms:
+    running sequences: sequences admitted to the engine and not yet finished or aborted (a request
+        with ``n`` choices over ``p`` prompts holds ``n * p``).
+    waiting requests: HTTP requests that wait, first come first served, for room to run. Beyond
+        ``max_waiting`` of them a request is refused at once with 503 and ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections import deque
+from collections.abc import Callable
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from specdec.serving.errors import APIError
+
+
+class AdmissionGate:
+    """At most ``max_running`` sequences on the engine; at most ``max_waiting`` requests queued."""
+
+    def __init__(self, max_running: int, max_waiting: int, retry_after_s: int = 1):
+        self.max_running = max_running  # most running sequences
+        self.max_waiting = max_waiting  # most requests waiting for room
+        self.retry_after_s = retry_after_s  # the Retry-After sent with a refusal
+        self.num_running = 0  # sequences admitted and not yet released
+        self._waiters: deque[tuple[int, asyncio.Future]] = deque()  # FIFO of (size, wake-up)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiters)
+
+    async def acquire(self, num_seqs: int) -> None:
+        """Wait for room for ``num_seqs`` sequences; raise a 400 or 503 ``APIError`` if none."""
+        if num_seqs > self.max_running:
+            raise APIError(
+                400,
+                f"this request has {num_seqs} sequences (prompts x n), but the server runs at "
+                f"most {self.max_running} at once: send fewer prompts or a smaller n",
+                param="n",
+            )
+        if not self._waiters and self.num_running + num_seqs <= self.max_running:
+            self.num_running += num_seqs
+            return
+        if self.num_waiting >= self.max_waiting:
+            raise APIError(
+                503,
+                f"The server is overloaded ({self.num_running} sequences running, "
+                f"{self.num_waiting} requests waiting): retry later",
+                type="server_overloaded",
+                code="queue_full",
+                headers={"Retry-After": str(self.retry_after_s)},
+            )
+        admitted = asyncio.get_running_loop().create_future()
+        entry = (num_seqs, admitted)
+        self._waiters.append(entry)
+        try:
+            await admitted
+        except asyncio.CancelledError:
+            if admitted.done() and not admitted.cancelled():
+                self.release(num_seqs)  # admitted just as the caller gave up
+            elif entry in self._waiters:
+                self._waiters.remove(entry)
+            raise
+
+    def release(self, num_seqs: int) -> None:
+        """Give back the room of ``num_seqs`` sequences and admit waiters, first come first."""
+        self.num_running -= num_seqs
+        while self._waiters and self.num_running + self._waiters[0][0] <= self.max_running:
+            num, admitted = self._waiters.popleft()
+            if not admitted.cancelled():
+                self.num_running += num
+                admitted.set_result(None)
+
+
+class BodyLimitMiddleware:
+    """Refuse request bodies larger than ``max_bytes`` with 413 before anything parses them."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._refuse(scope, receive, send)
+        body, messages = 0, []  # a chunked body is read here, then replayed to the app
+        while True:
+            message = await receive()
+            messages.append(message)
+            body += len(message.get("body", b""))
+            if body > self.max_bytes:
+                return await self._refuse(scope, receive, send)
+            if message["type"] != "http.request" or not message.get("more_body"):
+                break
+        await self.app(scope, _replay(messages, receive), send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = APIError(
+            413,
+            f"The request body is larger than {self.max_bytes} bytes",
+            code="request_too_large",
+        )
+        await error.response()(scope, receive, send)
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    """A receive that first returns ``messages``, then whatever ``receive`` returns."""
+    pending = deque(messages)
+
+    async def replayed() -> Message:
+        return pending.popleft() if pending else await receive()
+
+    return replayed
+
+
+class ApiKeyMiddleware:
+    """Refuse ``/v1/...`` requests without ``Authorization: Bearer <api_key>`` with 401."""
+
+    def __init__(self, app: ASGIApp, api_key: str, is_protected: Callable[[str], bool]):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.is_protected = is_protected  # which paths need the key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.is_protected(scope["path"]):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                error = APIError(
+                    401,
+                    "Missing or incorrect API key: send the header `Authorization: Bearer <key>`",
+                    type="authentication_error",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+                return await error.response()(scope, receive, send)
+        await self.app(scope, receive, send)

@@ -1,0 +1,165 @@
+"""The server's Prometheus metrics, served at ``GET /metrics``.
+
+Each server has a registry of its own, so that several servers in one process do not clash.
+Latencies are measured on the event loop, as a client would see them, from the moment the HTTP
+handler received the request (time spent waiting for admission included).
+
+Terms:
+    time to first token (TTFT): from receiving the request to the first generated token of a
+        sequence reaching the HTTP handler.
+    inter-token latency (ITL): time per generated token after the first one. A delta of ``k``
+        tokens arriving ``dt`` after the previous one counts ``k`` observations of ``dt / k``,
+        so that a step that accepts several draft tokens shows as lower latency per token.
+    draft: the tokens a drafter proposes for one sequence in one step; ``position`` ``j`` of a
+        draft is accepted when the first ``j + 1`` draft tokens all are.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from specdec.engine import Engine
+from specdec.outputs import RequestOutput
+
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5.0, 10.0, 20.0, 40.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)
+E2E_BUCKETS = (0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+class ServerMetrics:
+    """Counters, gauges and histograms of one server, in their own ``CollectorRegistry``."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.http_requests = Counter(
+            "specdec_http_requests",
+            "HTTP requests by route and status",
+            ["route", "status"],
+            registry=r,
+        )
+        self.finished = Counter(
+            "specdec_request_finished", "Sequences ended, by reason", ["finish_reason"], registry=r
+        )
+        self.prompt_tokens = Counter("specdec_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.generation_tokens = Counter(
+            "specdec_generation_tokens", "Tokens generated", registry=r
+        )
+        self.ttft = Histogram(
+            "specdec_time_to_first_token_seconds",
+            "Time to first token",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "specdec_inter_token_latency_seconds",
+            "Time per token after the first",
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "specdec_e2e_request_latency_seconds",
+            "Time to the last token",
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.running = Gauge(
+            "specdec_num_requests_running", "Sequences in the engine's running batch", registry=r
+        )
+        self.waiting = Gauge(
+            "specdec_num_requests_waiting", "Sequences queued in the engine", registry=r
+        )
+        self.queued = Gauge(
+            "specdec_num_requests_queued",
+            "HTTP requests waiting for admission (--max-concurrent)",
+            registry=r,
+        )
+        self.kv_blocks_used = Gauge("specdec_kv_blocks_used", "KV blocks in use", registry=r)
+        self.kv_blocks_total = Gauge("specdec_kv_blocks_total", "KV blocks in the pool", registry=r)
+        self.drafts = Counter("specdec_spec_decode_num_drafts", "Drafts verified", registry=r)
+        self.draft_tokens = Counter(
+            "specdec_spec_decode_num_draft_tokens", "Draft tokens verified", registry=r
+        )
+        self.accepted_tokens = Counter(
+            "specdec_spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r
+        )
+        self.accepted_per_position = Counter(
+            "specdec_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in their draft",
+            ["position"],
+            registry=r,
+        )
+
+    def observe_engine(self, engine: Engine) -> None:
+        """Record the engine's queue lengths and KV use (called by the engine thread)."""
+        self.running.set(len(engine.scheduler.running))
+        self.waiting.set(len(engine.scheduler.waiting))
+        self.kv_blocks_used.set(engine.num_blocks - engine.num_free_blocks)
+        self.kv_blocks_total.set(engine.num_blocks)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class SequenceTracker:
+    """Turns the deltas of one sequence into latency, token and acceptance metrics."""
+
+    __slots__ = ("metrics", "arrival_time", "last_time", "num_draft_tokens", "num_accepted_tokens")
+
+    def __init__(self, metrics: ServerMetrics, arrival_time: float):
+        self.metrics = metrics
+        self.arrival_time = arrival_time  # time.perf_counter() when the HTTP request arrived
+        self.last_time: float | None = None  # when the previous tokens arrived
+        self.num_draft_tokens = 0  # the sequence's counters at the previous delta
+        self.num_accepted_tokens = 0
+
+    def observe(self, delta: RequestOutput) -> None:
+        m, now, num_tokens = self.metrics, time.perf_counter(), len(delta.token_ids)
+        if num_tokens:
+            m.generation_tokens.inc(num_tokens)
+            if self.last_time is None:
+                m.ttft.observe(now - self.arrival_time)
+            else:
+                for _ in range(num_tokens):
+                    m.itl.observe((now - self.last_time) / num_tokens)
+            self.last_time = now
+        self._observe_drafts(delta)
+        if delta.finished:
+            m.e2e.observe(now - self.arrival_time)
+            m.finished.labels(delta.finish_reason or "unknown").inc()
+
+    def _observe_drafts(self, delta: RequestOutput) -> None:
+        """Count this step's draft; its accepted tokens are a prefix of it, positions 0..a-1."""
+        drafted = delta.metrics.num_draft_tokens - self.num_draft_tokens
+        accepted = delta.metrics.num_accepted_tokens - self.num_accepted_tokens
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        if drafted > 0:
+            self.metrics.drafts.inc()
+            self.metrics.draft_tokens.inc(drafted)
+            self.metrics.accepted_tokens.inc(accepted)
+            for position in range(accepted):
+                self.metrics.accepted_per_position.labels(str(position)).inc()
+
+
+class RequestCountMiddleware:
+    """Count every HTTP response by route (``other`` for unknown paths) and status code."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics, routes: frozenset[str]):
+        self.app = app
+        self.metrics = metrics
+        self.routes = routes  # the paths counted under their own name
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        route = scope["path"] if scope["path"] in self.routes else "other"
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.http_requests.labels(route, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)

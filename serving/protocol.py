@@ -1,0 +1,192 @@
+"""Request bodies of the OpenAI-compatible API, validated by pydantic.
+
+Validation is strict, as OpenAI's own API is: ``"5"`` is not an integer and ``true`` is not 1.
+Fields this server does not know are ignored, as OpenAI-compatible servers do. Fields it knows but
+does not implement (logprobs, penalties, tools, ...) are rejected when set to anything other than
+their neutral value, so that nobody silently gets less than they asked for. ``null`` means "the
+default" for every optional field.
+
+Terms:
+    choice: one generated sequence of a response; a request has ``n`` choices per prompt.
+    extra field: a field OpenAI does not define, taken from vLLM (``top_k``, ``min_p``,
+        ``ignore_eos``, ``stop_token_ids``) or specdec's own (``num_speculative_tokens``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from specdec.config import SamplingParams
+
+MAX_N = 128  # most choices per prompt, as OpenAI allows
+_INT64 = 2**63
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool | None = None  # end the stream with a chunk holding the usage
+
+
+class GenerationFields(StrictModel):
+    """The fields shared by completions and chat completions."""
+
+    model: str | None = None  # the served model's name; None picks the one model served
+    max_tokens: int | None = Field(None, ge=1)  # most tokens per choice; None: up to the context
+    max_completion_tokens: int | None = Field(None, ge=1)  # the newer name; wins over max_tokens
+    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)  # None: 1.0; 0 is greedy
+    top_p: float | None = Field(None, gt=0, le=1)  # nucleus mass; None: 1.0 (disabled)
+    top_k: int | None = Field(None, ge=-1, lt=2**31)  # extra; keep the k most likely; 0/-1: all
+    min_p: float | None = Field(None, ge=0, le=1)  # extra; relative probability floor; None: 0
+    seed: int | None = Field(None, ge=-_INT64, lt=_INT64)  # per-request generator seed
+    stop: list[str] | None = None  # stop strings (a string or a list); excluded from the text
+    stop_token_ids: list[int] | None = None  # extra; token ids that end a choice
+    ignore_eos: bool | None = None  # extra; keep generating past the end-of-sequence token
+    n: int | None = Field(None, ge=1, le=MAX_N)  # choices per prompt; None: 1
+    stream: bool | None = None  # send server-sent events as tokens are produced
+    stream_options: StreamOptions | None = None  # only read when streaming
+    num_speculative_tokens: int | None = Field(None, ge=0, le=64)  # extra; drafts per step, 0: off
+
+    # Known but not implemented: accepted only at their neutral values (see the module docstring).
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    logprobs: Any = None
+    NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "logit_bias": (None, {}),
+        "presence_penalty": (None, 0),
+        "frequency_penalty": (None, 0),
+        "repetition_penalty": (None, 1),
+        "logprobs": (None, False),
+    }
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [value]
+        if value is None or (isinstance(value, list) and all(isinstance(s, str) for s in value)):
+            return value
+        raise ValueError("must be a string or a list of strings")
+
+    @field_validator("*")
+    @classmethod
+    def _reject_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        neutral = cls.NEUTRAL.get(info.field_name or "")
+        if neutral is not None and value not in neutral:
+            raise ValueError(f"is not supported by this server; leave it unset or {neutral[-1]!r}")
+        return value
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int, choice: int = 0) -> SamplingParams:
+        """The engine's parameters for ``choice`` (choice ``i`` of a seeded request uses seed + i).
+
+        Raises ``ValueError`` naming the field when the engine refuses a value.
+        """
+        seed = self.seed if self.seed is None or choice == 0 else (self.seed + choice) % _INT64
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            seed=seed,
+            stop=list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=bool(self.ignore_eos),
+        )
+
+
+class CompletionRequest(GenerationFields):
+    """``POST /v1/completions``: continue raw prompts (no chat template)."""
+
+    prompt: list[str | list[int]]  # a string, a list of strings, token ids or token-id lists
+    echo: Any = None
+    suffix: Any = None
+    best_of: Any = None
+    NEUTRAL = {
+        **GenerationFields.NEUTRAL,
+        "echo": (None, False),
+        "suffix": (None, ""),
+        "best_of": (None, 1),
+    }
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_as_list(cls, value: Any) -> Any:
+        if isinstance(value, str) or (_is_token_ids(value) and value):
+            return [value]
+        if isinstance(value, list) and not value:
+            raise ValueError("must not be empty")
+        if isinstance(value, list) and all(isinstance(p, str) or _is_token_ids(p) for p in value):
+            return value
+        raise ValueError(
+            "must be a string, a list of strings, a list of token ids or a list of token-id lists"
+        )
+
+
+class ChatMessage(StrictModel):
+    """One turn of a conversation; content parts other than text are refused."""
+
+    role: str  # "system", "user", "assistant", ...
+    content: str | None = None  # the text (a list of text parts is joined); None: empty
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_joined(cls, value: Any) -> Any:
+        if not isinstance(value, list):
+            return value
+        texts = []
+        for part in value:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValueError(f"only text content parts are supported, got {kind!r}")
+            if not isinstance(part.get("text"), str):
+                raise ValueError("a text content part needs a string `text`")
+            texts.append(part["text"])
+        return "".join(texts)
+
+
+class ChatCompletionRequest(GenerationFields):
+    """``POST /v1/chat/completions``: reply to a conversation, through the chat template."""
+
+    messages: list[ChatMessage]  # the conversation so far, at least one message
+    top_logprobs: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    response_format: Any = None
+    NEUTRAL = {
+        **GenerationFields.NEUTRAL,
+        "top_logprobs": (None, 0),
+        "tools": (None, []),
+        "tool_choice": (None, "none"),
+        "response_format": (None, {"type": "text"}),
+    }
+
+    @field_validator("messages")
+    @classmethod
+    def _not_empty(cls, value: list[ChatMessage]) -> list[ChatMessage]:
+        if not value:
+            raise ValueError("must contain at least one message")
+        return value
+
+    def conversation(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.content or ""} for m in self.messages]
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )

@@ -1,0 +1,101 @@
+"""Turning a :class:`Generation` into OpenAI response bodies and stream chunks.
+
+A full response is built once every choice has finished. A stream sends a chunk per delta that
+carries text or a finish reason (deltas whose text is held back, e.g. a possible stop string, send
+nothing); chat streams first open each choice with its role, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from specdec.serving.generation import Generation
+from specdec.serving.responses import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    CompletionChoice,
+    CompletionResponse,
+    new_id,
+    now_s,
+)
+
+
+@dataclass(slots=True)
+class ResponseMeta:
+    """What every body and chunk of one response repeats."""
+
+    prefix: str  # "cmpl" or "chatcmpl"
+    model: str  # the served model's name
+    id: str = ""  # "<prefix>-<hex>", drawn at construction
+    created: int = field(default_factory=now_s)  # Unix time of the request
+
+    def __post_init__(self) -> None:
+        self.id = self.id or new_id(self.prefix)
+
+
+def completion_response(generation: Generation, meta: ResponseMeta) -> CompletionResponse:
+    choices = [
+        CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason)
+        for i, c in enumerate(generation.choices)
+    ]
+    return CompletionResponse(
+        id=meta.id,
+        created=meta.created,
+        model=meta.model,
+        choices=choices,
+        usage=generation.usage(),
+    )
+
+
+async def completion_chunks(
+    generation: Generation, meta: ResponseMeta, include_usage: bool
+) -> AsyncIterator[CompletionResponse]:
+    def chunk(choices: list[CompletionChoice]) -> CompletionResponse:
+        return CompletionResponse(
+            id=meta.id, created=meta.created, model=meta.model, choices=choices
+        )
+
+    async for i, delta in generation.deltas():
+        if delta.text or delta.finished:
+            reason = delta.finish_reason if delta.finished else None
+            yield chunk([CompletionChoice(index=i, text=delta.text, finish_reason=reason)])
+    if include_usage:
+        yield chunk([]).model_copy(update={"usage": generation.usage()})
+
+
+def chat_response(generation: Generation, meta: ResponseMeta) -> ChatCompletionResponse:
+    choices = [
+        ChatChoice(index=i, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason)
+        for i, c in enumerate(generation.choices)
+    ]
+    return ChatCompletionResponse(
+        id=meta.id,
+        created=meta.created,
+        model=meta.model,
+        choices=choices,
+        usage=generation.usage(),
+    )
+
+
+async def chat_chunks(
+    generation: Generation, meta: ResponseMeta, include_usage: bool
+) -> AsyncIterator[ChatCompletionChunk]:
+    def chunk(choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=meta.id, created=meta.created, model=meta.model, choices=choices
+        )
+
+    for i in range(len(generation.choices)):
+        yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+    async for i, delta in generation.deltas():
+        if delta.text or delta.finished:
+            reason = delta.finish_reason if delta.finished else None
+            content = ChatDelta(content=delta.text)
+            yield chunk([ChatChunkChoice(index=i, delta=content, finish_reason=reason)])
+    if include_usage:
+        yield chunk([]).model_copy(update={"usage": generation.usage()})

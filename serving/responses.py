@@ -1,0 +1,101 @@
+"""Response bodies of the OpenAI-compatible API (the shapes the ``openai`` client parses).
+
+A streamed response is a sequence of chunks, each sent as a server-sent event ``data: {json}``,
+ended by ``data: [DONE]``. With ``stream_options.include_usage`` every chunk carries
+``"usage": null`` and one last chunk carries the usage and no choices.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+class Usage(BaseModel):
+    prompt_tokens: int  # prompt tokens, counted once per prompt whatever n is
+    completion_tokens: int  # tokens generated, over all choices
+    total_tokens: int  # the sum of both
+
+
+class CompletionChoice(BaseModel):
+    index: int  # position in choices: prompt index x n + choice number
+    text: str  # the generated text (a delta when streamed)
+    logprobs: None = None  # not supported
+    finish_reason: str | None = None  # "stop" or "length"; None while streaming
+
+
+class CompletionResponse(BaseModel):
+    """A completion, or one chunk of a streamed one (same object type, as OpenAI sends)."""
+
+    id: str  # "cmpl-..."; the same for every chunk of a stream
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now_s)  # Unix time of the request
+    model: str  # the served model's name
+    choices: list[CompletionChoice]
+    usage: Usage | None = None  # always in a full response; in the last chunk if asked for
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str  # the reply
+
+
+class ChatChoice(BaseModel):
+    index: int  # position in choices
+    message: AssistantMessage  # the reply
+    logprobs: None = None  # not supported
+    finish_reason: str | None  # "stop" or "length"
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str  # "chatcmpl-..."
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now_s)  # Unix time of the request
+    model: str  # the served model's name
+    choices: list[ChatChoice]
+    usage: Usage  # token counts of the request
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None  # only in a choice's first chunk
+    content: str | None = None  # new text
+
+
+class ChatChunkChoice(BaseModel):
+    index: int  # which choice this chunk extends
+    delta: ChatDelta  # what is new
+    logprobs: None = None  # not supported
+    finish_reason: str | None = None  # set in the choice's last chunk
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str  # the same for every chunk of a stream
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=now_s)  # Unix time of the request
+    model: str  # the served model's name
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None  # only in the last chunk, and only if asked for
+
+
+class ModelCard(BaseModel):
+    id: str  # the name requests give as `model`
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now_s)  # when the server started
+    owned_by: str = "specdec"
+    max_model_len: int  # longest prompt + output, in tokens
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]  # the models served: exactly one

@@ -1,0 +1,165 @@
+"""The HTTP routes: completions, chat completions, models, health and metrics.
+
+A generation route checks the model name, tokenizes (raw prompts for completions, the chat
+template for chat), turns the body into one :class:`GenerationRequest` per choice and runs them
+as a :class:`Generation`: streamed as server-sent events, or collected into one response.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from functools import partial
+from typing import TYPE_CHECKING
+
+import jinja2
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+from starlette.background import BackgroundTask
+
+from specdec.serving.bridge import GenerationRequest
+from specdec.serving.errors import APIError
+from specdec.serving.generation import Generation, server_sent_events, until_disconnected
+from specdec.serving.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields
+from specdec.serving.render import (
+    ResponseMeta,
+    chat_chunks,
+    chat_response,
+    completion_chunks,
+    completion_response,
+)
+from specdec.serving.responses import ModelCard, ModelList
+
+if TYPE_CHECKING:
+    from specdec.serving.app import ServerState
+
+router = APIRouter()
+CLIENT_CLOSED_REQUEST = 499  # the status logged for a request whose client went away
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    state = server_state(request)
+    if not state.engine.is_running:
+        error = state.engine.error or "not started"
+        return APIError(503, f"The engine is not running: {error}", "server_error").response()
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(server_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> ModelList:
+    state = server_state(request)
+    card = ModelCard(
+        id=state.model_name, created=state.created, max_model_len=state.llm.engine.max_model_len
+    )
+    return ModelList(data=[card])
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    state = server_state(request)
+    check_model(state, body.model)
+    prompts = [state.llm.encode(prompt) for prompt in body.prompt]
+    generation = make_generation(state, body, prompts, "prompt")
+    meta = ResponseMeta("cmpl", state.model_name)
+    full = partial(completion_response, generation, meta)
+    chunks = partial(completion_chunks, generation, meta, body.include_usage)
+    return await respond(request, generation, bool(body.stream), full, chunks)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    state = server_state(request)
+    check_model(state, body.model)
+    try:
+        prompt = state.llm.apply_chat_template(body.conversation())
+    except (ValueError, jinja2.TemplateError) as e:
+        message = f"The chat template refused the messages: {e}"
+        raise APIError(400, message, param="messages") from e
+    generation = make_generation(state, body, [prompt], "messages")
+    meta = ResponseMeta("chatcmpl", state.model_name)
+    full = partial(chat_response, generation, meta)
+    chunks = partial(chat_chunks, generation, meta, body.include_usage)
+    return await respond(request, generation, bool(body.stream), full, chunks)
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise APIError(
+            404,
+            f"The model `{model}` does not exist: this server serves `{state.model_name}`",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def make_generation(
+    state: ServerState, body: GenerationFields, prompts: list[list[int]], prompt_param: str
+) -> Generation:
+    """One request per prompt and choice (prompt-major), with max_tokens fitted to the context."""
+    requests = []
+    for prompt in prompts:
+        max_tokens = fit_max_tokens(body, len(prompt), state.llm.engine.max_model_len)
+        for choice in range(body.n or 1):
+            try:
+                params = body.sampling_params(max_tokens, choice)
+            except ValueError as e:
+                raise APIError(400, str(e), param=str(e).split(" ")[0]) from e
+            requests.append(GenerationRequest(prompt, params, body.num_speculative_tokens))
+    return Generation(state, requests, sum(len(p) for p in prompts), prompt_param)
+
+
+def fit_max_tokens(body: GenerationFields, num_prompt_tokens: int, max_model_len: int) -> int:
+    """The request's max_tokens, or what is left of the context; 400 if it does not fit."""
+    requested = body.requested_max_tokens
+    room = max_model_len - num_prompt_tokens
+    if room < 1:  # the engine refuses the prompt itself, with its own message
+        return requested or 1
+    if requested is None:
+        return room
+    if requested > room:
+        param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        raise APIError(
+            400,
+            f"{param} is too large: the context holds {max_model_len} tokens and the prompt "
+            f"has {num_prompt_tokens}, so at most {room} can be generated; you asked for "
+            f"{requested}",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+async def respond(
+    request: Request,
+    generation: Generation,
+    stream: bool,
+    full: Callable[[], BaseModel],
+    chunks: Callable[[], AsyncIterator[BaseModel]],
+) -> Response:
+    """Start ``generation``, then stream its chunks or wait and send ``full()``."""
+    if await until_disconnected(request, generation.start()) is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    if stream:
+        return StreamingResponse(
+            server_sent_events(generation, chunks()),
+            media_type="text/event-stream",
+            background=BackgroundTask(generation.aclose),
+        )
+    try:
+        finished = await until_disconnected(request, generation.run())
+    finally:
+        generation.close()
+    if finished is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return Response(full().model_dump_json(), media_type="application/json")

@@ -1,0 +1,38 @@
+"""Command-line options shared by ``specdec generate`` and ``specdec serve``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+
+def speculation_options(fn: Any) -> Any:
+    """The drafter options shared by ``generate`` and ``serve``."""
+    fn = click.option(
+        "--drafter",
+        default="none",
+        show_default=True,
+        type=click.Choice(["none", "prompt_lookup", "draft_model"]),
+        help="Who proposes draft tokens (none: plain decoding).",
+    )(fn)
+    fn = click.option(
+        "--draft-model", default=None, help="HF directory or GGUF file of the draft model."
+    )(fn)
+    fn = click.option(
+        "--num-speculative-tokens",
+        default=8,
+        show_default=True,
+        type=int,
+        help="Most drafts per sequence and step (k); the adaptive policy may use fewer.",
+    )(fn)
+    return fn
+
+
+def spec_config(drafter: str, draft_model: str | None, num_speculative_tokens: int) -> Any:
+    """The ``speculative=`` argument of ``LLM`` for the CLI options (None: no speculation)."""
+    if drafter == "none":
+        return None
+    from specdec.drafters import SpecConfig
+
+    return SpecConfig(drafter, num_speculative_tokens, draft_model=draft_model)

@@ -1,0 +1,77 @@
+"""`specdec serve` options and wiring, and the load generator's command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from fastapi.testclient import TestClient
+
+import specdec.llm
+from specdec.serving import cli, loadgen
+from tests.tiny import byte_tokenizer, tiny_model
+
+from .conftest import MODEL
+
+
+def test_an_unknown_drafter_is_refused_before_loading_anything():
+    result = CliRunner().invoke(cli.serve, ["--drafter", "eagle"])
+    assert result.exit_code == 2
+    assert "'eagle' is not one of 'none', 'prompt_lookup', 'draft_model'" in result.output
+
+
+def test_help_documents_the_options():
+    result = CliRunner().invoke(cli.serve, ["--help"])
+    for option in ("--host", "--port", "--api-key", "SPECDEC_API_KEY", "--max-concurrent"):
+        assert option in result.output
+
+
+@pytest.fixture
+def captured_run(monkeypatch) -> dict:
+    """Replace LLM with a tiny model and uvicorn.run with a recorder."""
+    calls: dict = {}
+
+    def tiny_llm(model, **options):
+        calls["llm"] = (model, options)
+        return real_llm(tiny_model(), tokenizer=byte_tokenizer(), num_kv_blocks=64)
+
+    real_llm = specdec.llm.LLM
+    monkeypatch.setattr(specdec.llm, "LLM", tiny_llm)
+    monkeypatch.setattr(cli.uvicorn, "run", lambda app, **kwargs: calls.update(app=app, **kwargs))
+    return calls
+
+
+def test_serve_binds_loopback_and_takes_the_api_key_from_the_environment(captured_run):
+    args = ["--served-model-name", MODEL, "--max-num-seqs", "8", "--dtype", "bfloat16"]
+    result = CliRunner().invoke(cli.serve, args, env={"SPECDEC_API_KEY": "k3y"})
+    assert result.exit_code == 0, result.output
+    assert (captured_run["host"], captured_run["port"]) == ("127.0.0.1", 8000)
+    assert captured_run["llm"] == (
+        None,
+        {
+            "dtype": "bfloat16",
+            "max_num_seqs": 8,
+            "max_model_len": None,
+            "kv_cache_memory_gb": 1.0,
+            "speculative": None,
+        },
+    )
+    with TestClient(captured_run["app"]) as client:
+        assert client.get("/v1/models").status_code == 401
+        models = client.get("/v1/models", headers={"Authorization": "Bearer k3y"})
+        assert models.json()["data"][0]["id"] == MODEL
+
+
+def test_serve_warns_when_open_beyond_loopback(captured_run):
+    result = CliRunner().invoke(cli.serve, ["--host", "0.0.0.0"])
+    assert result.exit_code == 0 and "with no --api-key" in result.output
+
+
+def test_loadgen_command_prints_figures(served):
+    args = ["--url", served.url, "--requests", "8", "--concurrency", "4", "--model", MODEL]
+    result = CliRunner().invoke(loadgen.main, args)
+    assert result.exit_code == 0, result.output
+    assert "8 ok, 0 failed, 0 disconnected" in result.output and "TTFT" in result.output
+    as_json = CliRunner().invoke(loadgen.main, [*args, "--json"])
+    assert json.loads(as_json.output)["requests_ok"] == 8

@@ -1,0 +1,169 @@
+"""Bad input, limits and failures: a 4xx/5xx in OpenAI's error shape, and the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from specdec.serving import ServerConfig
+
+from .conftest import MODEL
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+MSG = [{"role": "user", "content": "hi"}]
+
+BAD_REQUESTS = [
+    # (path, body: dict or raw text, status, message fragment, param)
+    (C, '{"prompt": "x",', 400, "Malformed JSON body", None),
+    (C, "[1, 2]", 400, "must be a JSON object", None),
+    (C, "", 400, "request body is empty", None),
+    (C, '{"prompt": "x", "temperature": NaN}', 400, "temperature: Input should be a finite", "temperature"),
+    (C, {"max_tokens": 3}, 400, "prompt: Field required", "prompt"),
+    (CHAT, {"model": MODEL}, 400, "messages: Field required", "messages"),
+    (C, {"prompt": "x", "max_tokens": "ten"}, 400, 'max_tokens: Input should be a valid integer (got "ten")', "max_tokens"),
+    (C, {"prompt": "x", "max_tokens": True}, 400, "max_tokens: Input should be a valid integer", "max_tokens"),
+    (C, {"prompt": 5}, 400, "prompt: must be a string, a list of strings", "prompt"),
+    (C, {"prompt": []}, 400, "prompt: must not be empty", "prompt"),
+    (C, {"prompt": "x", "stop": 3}, 400, "stop: must be a string or a list of strings", "stop"),
+    (C, {"prompt": "x", "stream": "yes"}, 400, "stream: Input should be a valid boolean", "stream"),
+    (CHAT, {"messages": "hi"}, 400, "messages: Input should be a valid list", "messages"),
+    (CHAT, {"messages": [{"content": "x"}]}, 400, "messages[0].role: Field required", "messages[0].role"),
+    (C, {"prompt": "x", "max_tokens": -1}, 400, "max_tokens: Input should be greater than or equal to 1", "max_tokens"),
+    (C, {"prompt": "x", "max_tokens": 10**6}, 400, "max_tokens is too large: the context holds 512 tokens and the prompt has 1", "max_tokens"),
+    (CHAT, {"messages": MSG, "max_completion_tokens": 600}, 400, "max_completion_tokens is too large", "max_completion_tokens"),
+    (C, {"prompt": "x", "temperature": -0.5}, 400, "temperature: Input should be greater than or equal to 0", "temperature"),
+    (C, {"prompt": "x", "top_p": 0}, 400, "top_p: Input should be greater than 0", "top_p"),
+    (C, {"prompt": "x", "n": 0}, 400, "n: Input should be greater than or equal to 1", "n"),
+    (C, {"prompt": "x", "n": 1000}, 400, "n: Input should be less than or equal to 128", "n"),
+    (C, {"prompt": "x", "seed": 2**70}, 400, "seed: Input should be less than", "seed"),
+    (C, {"prompt": "x", "num_speculative_tokens": -1}, 400, "num_speculative_tokens: Input should be greater than or equal to 0", "num_speculative_tokens"),
+    (C, {"prompt": "x", "model": "gpt-4o"}, 404, "The model `gpt-4o` does not exist", "model"),
+    (C, {"prompt": "x" * 600}, 400, "prompt has 600 tokens, but the context holds at most 512", "prompt"),
+    (C, {"prompt": ""}, 400, "prompt is empty", "prompt"),
+    (C, {"prompt": [299, 99999]}, 400, "prompt token ids must lie in [0, 300)", "prompt"),
+    (CHAT, {"messages": []}, 400, "messages: must contain at least one message", "messages"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "only text content parts are supported, got 'image_url'", "messages[0].content"),
+    (CHAT, {"messages": MSG, "logprobs": True}, 400, "logprobs: is not supported by this server", "logprobs"),
+    (C, {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty: is not supported", "presence_penalty"),
+    (C, {"prompt": "x", "echo": True}, 400, "echo: is not supported", "echo"),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools: is not supported", "tools"),
+    (C, {"prompt": "x", "stop": [""]}, 400, "stop must be non-empty strings", "stop"),
+]  # fmt: skip
+
+
+def assert_error(response: httpx.Response, status: int, fragment: str, param=None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert fragment in error["message"], error["message"]
+    assert error["param"] == param
+    return error
+
+
+def wait_for(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
+def assert_still_serving(served) -> None:
+    response = served.post(C, json={"prompt": "still there?", "max_tokens": 3})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize(("path", "body", "status", "fragment", "param"), BAD_REQUESTS)
+def test_bad_request_gets_a_precise_error_and_the_server_goes_on(
+    served, path, body, status, fragment, param
+):
+    content = body if isinstance(body, str) else json.dumps(body)
+    response = served.post(path, content=content, headers={"content-type": "application/json"})
+    assert_error(response, status, fragment, param)
+    assert_still_serving(served)
+
+
+def test_body_without_json_content_type_and_unknown_routes(served):
+    form = served.post(C, content='{"prompt": "x"}')  # what `curl -d` sends
+    assert_error(form, 400, "Content-Type: application/json")
+    assert_error(httpx.get(served.url + "/v2/nothing"), 404, "Unknown route: GET /v2/nothing")
+    assert_error(httpx.get(served.url + C), 405, "Method GET is not allowed")
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        served.client().chat.completions.create(model="gpt-4o", messages=MSG)
+    assert_still_serving(served)
+
+
+def test_api_key_is_required_on_v1_routes(make_server):
+    served = make_server(ServerConfig(served_model_name=MODEL, api_key="s3cret"))
+    error = assert_error(served.post(C, json={"prompt": "x"}), 401, "Missing or incorrect API key")
+    assert error["type"] == "authentication_error" and error["code"] == "invalid_api_key"
+    wrong = served.post(C, json={"prompt": "x"}, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{served.url}/v1", api_key="nope", max_retries=0).models.list()
+    assert served.client().models.list().data[0].id == MODEL
+    assert httpx.get(served.url + "/health").status_code == 200  # probes need no key
+
+
+def test_large_bodies_get_413(make_server):
+    served = make_server(ServerConfig(served_model_name=MODEL, max_body_bytes=1000))
+    assert_error(served.post(C, json={"prompt": "x" * 2000}), 413, "larger than 1000 bytes")
+
+    def chunks():  # no Content-Length: the size is counted as the body arrives
+        yield b'{"prompt": "'
+        yield b"x" * 2000
+        yield b'"}'
+
+    assert_error(served.post(C, content=chunks()), 413, "larger than 1000 bytes")
+    assert_still_serving(served)
+
+
+def test_overload_gets_503_with_retry_after(make_server):
+    served = make_server(ServerConfig(served_model_name=MODEL, max_concurrent=2, max_queue=1))
+    step = served.llm.engine.step
+    served.llm.engine.step = lambda: (time.sleep(0.002), step())[1]  # type: ignore[method-assign]
+    long = {"prompt": "x", "max_tokens": 150, "ignore_eos": True}
+    assert_error(served.post(C, json={**long, "n": 3}), 400, "has 3 sequences", "n")
+    gate, results = served.state.gate, []
+    running = [
+        threading.Thread(target=lambda: results.append(served.post(C, json=long))),
+        threading.Thread(target=lambda: results.append(served.post(C, json={**long, "n": 2}))),
+    ]
+    running[0].start()
+    wait_for(lambda: gate.num_running == 1)
+    running[1].start()  # needs 2 of the 2 sequences: waits for the first request
+    wait_for(lambda: gate.num_waiting == 1)
+    refused = served.post(C, json=long)
+    assert_error(refused, 503, "The server is overloaded")
+    assert refused.headers["retry-after"] == "1"
+    for thread in running:
+        thread.join()
+    assert [r.status_code for r in results] == [200, 200]
+    assert_still_serving(served)
+
+
+def test_engine_failure_fails_requests_and_health(make_server):
+    served = make_server()
+    step, calls = served.llm.engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) > 5:
+            raise RuntimeError("boom")
+        return step()
+
+    served.llm.engine.step = failing_step  # type: ignore[method-assign]
+    body = {"prompt": "x", "max_tokens": 50, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", served.url + C, json=body) as response:
+        events = response.read().decode().split("\n\n")
+    assert events[-2] == "data: [DONE]"
+    assert (
+        "the engine failed: RuntimeError('boom')" in json.loads(events[-3][6:])["error"]["message"]
+    )
+    assert_error(httpx.get(served.url + "/health"), 503, "The engine is not running")
+    refused = served.post(C, json={"prompt": "x"})
+    assert_error(refused, 503, "the engine is not running")

@@ -1,0 +1,121 @@
+"""Bounded load on loopback: every response complete, and afterwards every KV block free."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from specdec.serving.loadgen import LoadConfig, run_load
+
+from .conftest import MODEL
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The /metrics samples, keyed by name and labels, e.g. 'x_total{reason=abort}'."""
+    samples = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return samples
+
+
+def wait_until_metrics_idle(url: str, timeout_s: float = 10.0) -> dict[str, float]:
+    """Poll /metrics until nothing runs, waits or holds a KV block."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = scrape(url)
+        busy = ("specdec_num_requests_running", "specdec_num_requests_waiting")
+        if m["specdec_kv_blocks_used"] == 0 and not any(m[name] for name in busy):
+            return m
+        assert time.monotonic() < deadline, {k: v for k, v in m.items() if "kv" in k}
+        time.sleep(0.02)
+
+
+def test_500_mixed_requests_at_64_concurrency_all_complete(make_server):
+    served = make_server(num_kv_blocks=512)
+    config = LoadConfig(
+        served.url, num_requests=500, concurrency=64, min_tokens=1, max_tokens=16, model=MODEL
+    )
+    report = asyncio.run(run_load(config))
+    assert report.errors == []
+    summary = report.summary()
+    assert summary["requests_ok"] == 500 and summary["requests_disconnected"] == 0
+    streamed = [r for r in report.records if r.streamed]
+    assert 150 < len(streamed) < 350  # the mix has both kinds
+    # Random bytes from a tiny model may decode to no text at all; most do not.
+    assert sum(r.ttft_s is not None for r in streamed) > 0.8 * len(streamed)
+    m = wait_until_metrics_idle(served.url)
+    assert m["specdec_generation_tokens_total"] == sum(r.completion_tokens for r in report.records)
+    served.wait_until_idle()
+
+
+def test_clients_that_hang_up_mid_stream_have_their_requests_aborted(make_server):
+    served = make_server(num_kv_blocks=512)
+    config = LoadConfig(
+        served.url,
+        num_requests=120,
+        concurrency=64,
+        min_tokens=150,
+        max_tokens=300,
+        max_prompt_words=16,
+        stream_fraction=0.8,
+        disconnect_fraction=0.6,
+        model=MODEL,
+        seed=1,
+    )
+    report = asyncio.run(run_load(config))
+    assert report.errors == []
+    disconnected = report.summary()["requests_disconnected"]
+    assert disconnected > 30
+    m = wait_until_metrics_idle(served.url)
+    assert m["specdec_request_finished_total{finish_reason=abort}"] >= disconnected * 0.9
+    served.wait_until_idle()
+
+
+def test_clients_that_time_out_on_a_full_response_have_their_requests_aborted(served):
+    body = {"model": MODEL, "prompt": "slow", "max_tokens": 500, "ignore_eos": True}
+
+    async def impatient() -> None:
+        async with httpx.AsyncClient(base_url=served.url, timeout=0.05) as client:
+            for result in await asyncio.gather(
+                *(client.post("/v1/completions", json=body) for _ in range(4)),
+                return_exceptions=True,
+            ):
+                assert isinstance(result, httpx.ReadTimeout)
+
+    before = scrape(served.url).get("specdec_request_finished_total{finish_reason=abort}", 0)
+    asyncio.run(impatient())
+    m = wait_until_metrics_idle(served.url)
+    assert m["specdec_request_finished_total{finish_reason=abort}"] - before == 4
+    served.wait_until_idle()
+
+
+@pytest.mark.parametrize("concurrency", [1, 8])
+def test_loadgen_reports_latency_figures(served, concurrency):
+    config = LoadConfig(served.url, num_requests=16, concurrency=concurrency, stream_fraction=1.0)
+    summary = asyncio.run(run_load(config)).summary()
+    assert summary["requests_ok"] == 16
+    assert 0 < summary["ttft_p50_ms"] <= summary["ttft_p99_ms"]
+    assert 0 < summary["itl_p50_ms"] <= summary["itl_p99_ms"]
+    assert summary["output_tokens_per_s"] > 0
+
+
+def test_closing_an_openai_stream_aborts_its_request(served):
+    before = scrape(served.url).get("specdec_request_finished_total{finish_reason=abort}", 0)
+    stream = served.client().completions.create(
+        model=MODEL,
+        prompt="cancel me",
+        max_tokens=400,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    next(iter(stream))
+    stream.close()
+    m = wait_until_metrics_idle(served.url)
+    assert m["specdec_request_finished_total{finish_reason=abort}"] - before == 1
+    served.wait_until_idle()
