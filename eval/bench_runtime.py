@@ -170,7 +170,7 @@ def run_dtype(dtype: str, quick: bool) -> dict:
     with torch.inference_mode():
         single = single_stream(llm, hf, requests[3][0], 32 if quick else 128, 1 if quick else 3)
         print(f"[{dtype}] {len(requests)} concurrent requests ...", flush=True)
-        batch = batched(llm, hf, llm.tokenizer, requests, 1 if quick else 2)
+        batch = batched(llm, hf, llm.tokenizer, requests, 1)
     read = stream_read_gbps()
     weights = weight_bytes_per_step(llm)
     single["weight_bytes_per_step"] = weights

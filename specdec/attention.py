@@ -29,7 +29,10 @@ class AttentionMetadata:
     query_index: torch.Tensor  # [G, Q] flat token index of each query of the cached group
     query_valid: torch.Tensor  # [G, Q] bool: real query (not padding)
     key_slots: torch.Tensor  # [G, C] cache slot of each context key of the cached group
-    mask: torch.Tensor  # [G, 1, Q, C] bool: query may attend to key (causal and in-context)
+    mask: torch.Tensor | None  # [G, 1, Q, C] bool: query may see key; None: it sees them all
+    dense: bool  # the cached group is the whole batch, in order, with no padding: [N] = [G, Q]
+    valid_index: torch.Tensor  # [M] flat token index of each real query of the cached group
+    valid_rows: torch.Tensor  # [M] its row in the flattened [G * Q] group
 
     @staticmethod
     def build(
@@ -68,8 +71,21 @@ class AttentionMetadata:
         # rows see key 0 only, so that their softmax stays finite.
         query_pos = torch.where(query_valid, (c_len - q_len)[:, None] + j, 0)  # [G, Q]
         mask = (pos <= query_pos[:, :, None]) & (pos < c_len[:, None, None])  # [G, Q, C]
+        dense = not fresh and bool(query_valid.all())
+        # One query per sequence and equal contexts: every key is visible, no mask needed.
+        every_key = max_q == 1 and bool((c_len == max_c).all())
+        attn_mask = None if every_key else mask.unsqueeze(1)
+        valid_rows = query_valid.flatten().nonzero().squeeze(1)  # [M]
         return AttentionMetadata(
-            slot_mapping, fresh_ranges, query_index, query_valid, key_slots, mask.unsqueeze(1)
+            slot_mapping,
+            fresh_ranges,
+            query_index,
+            query_valid,
+            key_slots,
+            attn_mask,
+            dense,
+            query_index.flatten()[valid_rows],
+            valid_rows,
         )
 
 
@@ -88,6 +104,11 @@ def paged_attention(
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     k_flat[meta.slot_mapping] = k
     v_flat[meta.slot_mapping] = v
+    if meta.dense:  # decodes and verification only: no gather of queries, no scatter of outputs
+        groups, width = meta.query_index.shape
+        q_dense = q.view(groups, width, *q.shape[1:])  # [G, Q, Hq, D]
+        o_dense = _attend(q_dense, k_flat[meta.key_slots], v_flat[meta.key_slots], meta.mask, scale)
+        return o_dense.reshape(q.shape)
     out = torch.empty_like(q)
     for start, end in meta.fresh_ranges:
         out[start:end] = _attend(
@@ -102,7 +123,7 @@ def paged_attention(
         kg = k_flat[meta.key_slots]  # [G, C, Hkv, D]
         vg = v_flat[meta.key_slots]
         og = _attend(qg, kg, vg, meta.mask, scale)  # [G, Q, Hq, D]
-        out[meta.query_index[meta.query_valid]] = og[meta.query_valid]
+        out[meta.valid_index] = og.flatten(0, 1)[meta.valid_rows]
     return out
 
 
@@ -110,7 +131,7 @@ def _attend(
     q: torch.Tensor,  # [G, Q, Hq, D]
     k: torch.Tensor,  # [G, C, Hkv, D]
     v: torch.Tensor,  # [G, C, Hkv, D]
-    mask: torch.Tensor | None,  # [G, 1, Q, C] bool, or None for causal self-attention
+    mask: torch.Tensor | None,  # [G, 1, Q, C] bool, or None: causal if Q == C, else no mask
     scale: float,
 ) -> torch.Tensor:  # [G, Q, Hq, D]
     out = F.scaled_dot_product_attention(
@@ -118,7 +139,7 @@ def _attend(
         k.transpose(1, 2),
         v.transpose(1, 2),
         attn_mask=mask,
-        is_causal=mask is None,
+        is_causal=mask is None and q.shape[1] > 1,  # only fresh prompts (Q == C) pass no mask
         scale=scale,
         enable_gqa=True,
     )  # [G, Hq, Q, D]
