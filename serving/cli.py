@@ -12,7 +12,7 @@ import logging
 import click
 import uvicorn
 
-from specdec.cli_options import spec_config, speculation_options
+from specdec.cli_options import model_options, spec_config, speculation_options
 
 logger = logging.getLogger(__name__)
 
@@ -25,14 +25,7 @@ def _is_loopback(host: str) -> bool:
 
 
 @click.command()
-@click.option(
-    "--model",
-    default=None,
-    help="HF model directory or GGUF file (default: the embedded SmolLM2-135M-Instruct).",
-)
-@click.option(
-    "--dtype", default="float32", type=click.Choice(["float32", "bfloat16"]), show_default=True
-)
+@model_options
 @speculation_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))

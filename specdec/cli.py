@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from specdec.cli_options import spec_config, speculation_options
+from specdec.cli_options import model_options, spec_config, speculation_options
 from specdec.config import SamplingParams
 from specdec.serving.cli import serve
 
@@ -21,14 +21,7 @@ def main() -> None:
 
 @main.command()
 @click.argument("prompts", nargs=-1, required=True)
-@click.option(
-    "--model",
-    default=None,
-    help="HF model directory or GGUF file (default: the embedded SmolLM2-135M-Instruct).",
-)
-@click.option(
-    "--dtype", default="float32", type=click.Choice(["float32", "bfloat16"]), show_default=True
-)
+@model_options
 @click.option("--max-tokens", default=64, show_default=True, type=int)
 @click.option(
     "--temperature", default=0.0, show_default=True, type=float, help="0 decodes greedily."

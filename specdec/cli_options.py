@@ -7,6 +7,18 @@ from typing import Any
 import click
 
 
+def model_options(fn: Any) -> Any:
+    """``--model`` and ``--dtype``."""
+    fn = click.option(
+        "--dtype", default="float32", type=click.Choice(["float32", "bfloat16"]), show_default=True
+    )(fn)
+    return click.option(
+        "--model",
+        default=None,
+        help="HF model directory or GGUF file (default: the embedded SmolLM2-135M-Instruct).",
+    )(fn)
+
+
 def speculation_options(fn: Any) -> Any:
     """The drafter options shared by ``generate`` and ``serve``."""
     fn = click.option(
