@@ -25,7 +25,7 @@ from specdec.engine import Engine
 from specdec.loader import load_checkpoint
 from specdec.models.llama import LlamaForCausalLM
 from specdec.runner import ModelRunner, QueryChunk
-from specdec.sampling import process_logits, sample
+from specdec.sampling import process_logits_for, sample
 from specdec.scheduler import Scheduler
 from specdec.sequence import Sequence
 
@@ -100,13 +100,7 @@ class DraftModelDrafter:
     def _choose(self, seqs: list[Sequence], logits: torch.Tensor):  # noqa: ANN202
         """Next draft of each row, and the draft distribution q it was drawn from."""
         params = [s.params for s in seqs]
-        q = process_logits(
-            logits,
-            torch.tensor([p.temperature for p in params]),
-            torch.tensor([p.top_k for p in params]),
-            torch.tensor([p.top_p for p in params]),
-            torch.tensor([p.min_p for p in params]),
-        )
+        q = process_logits_for(logits, params)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if random_rows:

@@ -65,7 +65,8 @@ class ModelRunner:
         num_logit_rows: list[int] = []
         for i, (seq, n) in enumerate(zip(out.seqs, out.num_scheduled_tokens)):
             start = seq.num_computed_tokens
-            tokens = (seq.token_ids + seq.spec_token_ids)[start : start + n]
+            tokens = seq.token_ids[start : start + n]  # then drafts fill the rest of the query
+            tokens += seq.spec_token_ids[: n - len(tokens)]
             rows = len(seq.spec_token_ids) + 1 if out.samples(i) else 0
             chunks.append(QueryChunk(tokens, start, seq.block_table, rows))
             if rows:

@@ -13,7 +13,11 @@ Terms:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+
+from specdec.config import SamplingParams
 
 
 def process_logits(
@@ -39,6 +43,20 @@ def process_logits(
         probs = torch.where(probs >= threshold, probs, torch.zeros_like(probs))
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+def process_logits_for(
+    logits: torch.Tensor,  # [N, V] raw logits
+    params: Sequence[SamplingParams],  # [N] the request of each row
+) -> torch.Tensor:  # [N, V] float32 probabilities
+    """:func:`process_logits` with each row's settings taken from its request."""
+    return process_logits(
+        logits,
+        torch.tensor([p.temperature for p in params]),
+        torch.tensor([p.top_k for p in params]),
+        torch.tensor([p.top_p for p in params]),
+        torch.tensor([p.min_p for p in params]),
+    )
 
 
 def _top_k_top_p(

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.runner import StepResult
-from specdec.sampling import process_logits, sample
+from specdec.sampling import process_logits_for, sample
 from specdec.scheduler import SchedulerOutput
 from specdec.sequence import Sequence
 from specdec.verify import VerifyOutput, rejection_sample
@@ -89,7 +89,7 @@ class Verifier:
         tokens = logits.argmax(dim=-1)  # [S]
         random_rows = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
         if random_rows:
-            probs = _processed(logits[random_rows], [seqs[i] for i in random_rows])
+            probs = process_logits_for(logits[random_rows], [seqs[i].params for i in random_rows])
             tokens[random_rows] = sample(probs, [seqs[i].generator for i in random_rows])
         return tokens.tolist()
 
@@ -99,8 +99,8 @@ class Verifier:
         target = res.logits.clone()  # [T + B, V]
         random_rows = [i for i, s in enumerate(row_seqs) if not s.params.is_greedy]
         if random_rows:
-            target[random_rows] = _processed(
-                res.logits[random_rows], [row_seqs[i] for i in random_rows]
+            target[random_rows] = process_logits_for(
+                res.logits[random_rows], [row_seqs[i].params for i in random_rows]
             )
         draft_ids = torch.tensor([t for s in seqs for t in s.spec_token_ids], dtype=torch.long)
         cu = torch.tensor(num_drafts, dtype=torch.long).cumsum(0)
@@ -116,14 +116,3 @@ class Verifier:
         self.stats.record(num_drafts, result)
         counts = result.num_emitted_tokens.tolist()
         return [row[:n] for row, n in zip(result.output_token_ids.tolist(), counts)]
-
-
-def _processed(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:  # [R, V] -> [R, V]
-    params = [s.params for s in seqs]
-    return process_logits(
-        logits,
-        torch.tensor([p.temperature for p in params]),
-        torch.tensor([p.top_k for p in params]),
-        torch.tensor([p.top_p for p in params]),
-        torch.tensor([p.min_p for p in params]),
-    )

@@ -20,17 +20,10 @@ import torch
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+import tests.tiny
 from specdec import loader
 from specdec.loader import LoadedCheckpoint, UnsupportedModelError, load_checkpoint, resolve_dtype
 
-TINY = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
 CONFIG_CLASSES = {
     "llama": transformers.LlamaConfig,
     "mistral": transformers.MistralConfig,
@@ -42,10 +35,8 @@ WORDS = ["<unk>", "<s>", "</s>", *SYMBOLS]  # 128 entries, one per tiny vocabula
 
 
 def tiny_model(family: str, tied: bool, seed: int = 0) -> transformers.PreTrainedModel:
-    """A randomly initialised two-layer model of ``family``."""
-    torch.manual_seed(seed)
-    config = CONFIG_CLASSES[family](**TINY, tie_word_embeddings=tied)
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
+    """A randomly initialised two-layer model of ``family`` over the 128 ``WORDS``."""
+    return tests.tiny.tiny_model(family, seed, vocab_size=len(WORDS), tie_word_embeddings=tied)
 
 
 def tiny_tokenizer() -> transformers.PreTrainedTokenizerBase:
