@@ -25,7 +25,7 @@ class SpecConfig:
 
     drafter: str = "prompt_lookup"  # one of DRAFTERS
     num_speculative_tokens: int = 8  # most drafts per sequence per step (k)
-    prompt_lookup_min: int = 2  # shortest suffix n-gram prompt lookup matches
+    prompt_lookup_min: int = 1  # shortest suffix n-gram prompt lookup matches
     prompt_lookup_max: int = 4  # longest suffix n-gram prompt lookup matches
     draft_model: str | os.PathLike | Any | None = None  # draft_model: a path or a model object
     draft_tokenizer: Any = None  # tokenizer of an in-memory draft model (checked vs the target)
@@ -60,6 +60,10 @@ class Drafter(Protocol):
     """Proposes draft tokens for the running sequences after each step."""
 
     name: str
+
+    def draft_class(self, seq: Sequence) -> int:
+        """What kind of draft ``seq`` would get now: 0 if none; the policy keeps acceptance
+        averages per class (prompt lookup: the matched n-gram's length; a draft model: 1)."""
 
     def propose(self, seqs: list[Sequence], num_drafts: list[int]) -> None:
         """Set ``seq.spec_token_ids`` to at most ``num_drafts[i]`` tokens for each sequence."""

@@ -53,6 +53,9 @@ class DraftModelDrafter:
         runner = ModelRunner(model, block_manager.num_blocks, block_manager.block_size, dtype)
         return DraftModelDrafter(runner, engine.scheduler)
 
+    def draft_class(self, seq: Sequence) -> int:
+        return 1  # the draft model always has a guess, of one kind
+
     def propose(self, seqs: list[Sequence], num_drafts: list[int]) -> None:
         active, ks = [], []
         for seq, k in zip(seqs, num_drafts):

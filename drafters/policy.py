@@ -7,43 +7,75 @@ Two facts decide whether a draft is worth verifying:
   tests and, if ``m < k``, one failing test; later drafts were never tested). The j-th draft of
   a step is accepted with probability about ``a**j`` (all before it must pass), so it adds
   ``a**j`` expected tokens;
-* what it costs. A step's time ``t(N)`` grows with its number of query tokens ``N``: flat while
-  reading the weights dominates, then linear once matmuls are compute-bound (a saturated batch).
-  :class:`StepCostModel` measures ``t(N)`` on the real model at start-up. A draft model adds one
-  of its own forwards per draft depth (``k`` drafts take ``k`` sequential draft forwards), timed
-  the same way.
+* what it costs. Attention pads every sequence of a step to the longest query, so a step's
+  time is a function ``t(P)`` of its *padded* query tokens ``P = B * (d + 1)`` (``B``
+  sequences, ``d`` the most drafts any of them verifies): flat while reading the weights
+  dominates, then steep once matmuls and attention are compute-bound (a full batch).
+  :class:`StepCostModel` times forwards of the real model at start-up, then keeps learning from
+  the engine's own decode and verification steps, so it prices the batches that actually run.
+  A draft model adds one of its own forwards per draft depth (``d`` drafts take ``d`` sequential
+  draft forwards), timed at start-up.
 
-The policy hands out drafts one at a time, always to the sequence whose next draft is most
-likely accepted, while the batch's expected tokens per second still rises: a draft is added only
-if ``(E + a**j) / t(N + 1) > E / t(N)``. A lone stream with good acceptance gets the full ``k``;
-as the batch fills, ``t`` steepens and drafts are withheld, so a saturated engine runs as it
-would without speculation. Sequences whose drafts keep failing fall to ``k = 0`` and are probed
-again now and then (their average decays back toward the prior).
+The policy picks the depth ``d`` that maximises the expected tokens per second
+``E(d) / t(B * (d + 1))``, where ``E(d)`` sums ``1 + a + a**2 + ...`` over each sequence's
+drafts; each sequence then gets ``min(d, its limit)`` drafts, less any whose chance ``a**j``
+is under ``MIN_CHANCE``. A lone stream with good acceptance gets the full ``k``; as the batch
+fills, raising ``d`` costs ``B`` more padded tokens at once and ``t`` steepens, so drafts are
+withheld and a saturated engine runs as it would without speculation. Sequences whose drafts
+keep failing fall to ``k = 0`` and are probed again now and then: an average not tested in a
+step drifts back, a sequence's toward its class's and a class's toward the prior.
+
+Averages are kept per *draft class*, a number the drafter gives each sequence before it drafts
+(``Drafter.draft_class``): prompt lookup reports the length of the n-gram it matched, because a
+4-gram match is accepted far more often than a 1-gram one, and 0 when it has nothing to offer,
+so no draft budget goes to a sequence without a match. A draft model has a single class.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
 from collections.abc import Callable
 
 from specdec.sequence import Sequence
 
 PRIOR_ACCEPTANCE = 0.5  # acceptance assumed for a sequence not yet measured
-EMA_WEIGHT = 0.3  # weight of the latest step in the moving average
+EMA_WEIGHT = 0.3  # weight of the latest step in a sequence's moving average
+CLASS_EMA_WEIGHT = 0.05  # weight of one sequence's step in its class's average
+MIN_CHANCE = 0.05  # a draft less likely than this to be accepted is not verified
 RECOVERY = 0.02  # drift of an idle sequence's average back toward the prior, per step
 
 
 class StepCostModel:
-    """Piecewise-linear step time ``t(N)`` from timed forwards of N query tokens."""
+    """Step time ``t(N)``, piecewise linear in the number of query tokens ``N``.
+
+    It starts from timed forwards (:meth:`measure`) and then learns from the real steps the
+    engine reports (:meth:`observe`): a start-up forward of one made-up prompt misses costs a real
+    batch has (gathering each sequence's keys, padding mixed query lengths, verification), and
+    the policy must compare the steps it will actually run. Knots sit at the measured sizes, at
+    every size up to 16 (the curve is not smooth there: float32 steps on MKL cost about the same
+    from 1 to 3 rows and jump at 4) and at powers of two; an observation moves the two knots around its ``N`` toward the time seen,
+    in proportion to how close each is. Read back, the curve is made non-decreasing.
+    """
+
+    LEARNING_RATE = 0.2  # share of a step's prediction error taken into the curve
+    MAX_KNOT = 4096
 
     def __init__(self, points: list[tuple[int, float]]):
-        self.sizes = [n for n, _ in points]
-        self.times = [t for _, t in points]
+        measured = sorted(points)
+        sizes = {n for n, _ in measured} | set(range(1, 17))  # MKL's fp32 GEMM jumps at 4 rows
+        sizes |= {2**i for i in range(self.MAX_KNOT.bit_length())}
+        self.sizes = sorted(sizes)
+        self.values = [_interpolate(measured, n) for n in self.sizes]
+        self.times = self._monotone()
+        self.num_observed = 0
 
     @staticmethod
     def measure(
-        forward: Callable[[int], object], sizes: tuple[int, ...] = (1, 8, 32, 128), repeats: int = 3
+        forward: Callable[[int], object],
+        sizes: tuple[int, ...] = (1, 2, 3, 4, 8, 16, 32, 128),
+        repeats: int = 3,
     ) -> StepCostModel:
         """Time ``forward(n)`` (best of ``repeats``) at each size; enforce a monotone curve."""
         points, floor = [], 0.0
@@ -55,60 +87,113 @@ class StepCostModel:
         return StepCostModel(points)
 
     def __call__(self, num_tokens: int) -> float:
-        i = bisect.bisect_left(self.sizes, num_tokens)
-        if i == 0:
-            return self.times[0]
-        j = min(i, len(self.sizes) - 1)  # extrapolate past the last point along the last segment
-        n0, n1, t0, t1 = self.sizes[j - 1], self.sizes[j], self.times[j - 1], self.times[j]
-        return t0 + (t1 - t0) * (num_tokens - n0) / (n1 - n0)
+        return _interpolate(list(zip(self.sizes, self.times)), num_tokens)
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """Learn from a real step of ``num_tokens`` query tokens that took ``seconds``."""
+        i = min(bisect.bisect_left(self.sizes, num_tokens), len(self.sizes) - 1)
+        if i == 0 or self.sizes[i] == num_tokens:
+            self.values[i] += self.LEARNING_RATE * (seconds - self.values[i])
+        else:
+            n0, n1 = self.sizes[i - 1], self.sizes[i]
+            w = (num_tokens - n0) / (n1 - n0)
+            error = seconds - ((1 - w) * self.values[i - 1] + w * self.values[i])
+            self.values[i - 1] += self.LEARNING_RATE * (1 - w) * error
+            self.values[i] += self.LEARNING_RATE * w * error
+        self.times = self._monotone()
+        self.num_observed += 1
+
+    def _monotone(self) -> list[float]:
+        return list(itertools.accumulate(self.values, max))
+
+
+def _interpolate(points: list[tuple[int, float]], n: int) -> float:
+    """Piecewise-linear ``t(n)`` through sorted ``points``, extended along the end segments."""
+    sizes = [p for p, _ in points]
+    i = bisect.bisect_left(sizes, n)
+    if i == 0 or len(points) == 1:
+        return points[0][1] if i == 0 else points[-1][1]
+    j = min(i, len(points) - 1)  # extrapolate past the last point along the last segment
+    (n0, t0), (n1, t1) = points[j - 1], points[j]
+    return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
 
 
 class AdaptivePolicy:
     """Chooses each sequence's number of drafts from its acceptance and the batch's step cost."""
 
     def __init__(
-        self, max_drafts: int, cost: StepCostModel | None, draft_cost: StepCostModel | None = None
+        self,
+        max_drafts: int,
+        cost: StepCostModel | None,
+        draft_cost: StepCostModel | None = None,
     ):
         self.max_drafts = max_drafts
         self.cost = cost  # None: fixed k (every eligible sequence gets max_drafts)
         self.draft_cost = draft_cost  # time of one drafter forward over N sequences, if any
-        self.acceptance: dict[int, float] = {}  # seq_id -> moving average of acceptance
+        self.acceptance: dict[int, dict[int, float]] = {}  # seq_id -> class -> moving average
+        self.class_acceptance: dict[int, float] = {}  # class -> moving average over sequences
         self.seen: dict[int, tuple[int, int]] = {}  # seq_id -> (draft, accepted) counters used
+        self.last_class: dict[int, int] = {}  # seq_id -> class of its latest drafts
 
-    def num_drafts(self, seqs: list[Sequence], max_model_len: int) -> list[int]:
-        """Drafts for each sequence next step (0 for one still prefilling or about to end)."""
+    def num_drafts(
+        self,
+        seqs: list[Sequence],
+        max_model_len: int,
+        classify: Callable[[Sequence], int] | None = None,
+    ) -> list[int]:
+        """Drafts for each sequence next step (0 for one still prefilling or about to end).
+
+        ``classify`` is the drafter's ``draft_class`` (0: no draft to offer); None: one class.
+        """
         limits = [self._limit(seq, max_model_len) for seq in seqs]
+        classes = [classify(s) if classify and k else 1 for s, k in zip(seqs, limits)]
+        limits = [k if c else 0 for k, c in zip(limits, classes)]
         if self.cost is None:
-            return limits
-        rates = [self._observe(seq) for seq in seqs]
-        ks = [0] * len(seqs)
-        num_tokens, depth = len(seqs), 0
-        expected = float(len(seqs))
-        while True:
-            gains = [
-                rates[i] ** (ks[i] + 1) if ks[i] < limits[i] else -1.0 for i in range(len(seqs))
-            ]
-            best = max(range(len(seqs)), key=gains.__getitem__, default=None)
-            if best is None or gains[best] <= 0:
-                return ks
-            new_depth = max(depth, ks[best] + 1)
-            now = self._step_time(num_tokens, depth, len(seqs))
-            then = self._step_time(num_tokens + 1, new_depth, len(seqs))
-            if (expected + gains[best]) * now <= expected * then:
-                return ks
-            ks[best] += 1
-            expected += gains[best]
-            num_tokens, depth = num_tokens + 1, new_depth
+            ks = limits
+        else:
+            tested = {seq.seq_id: self._fold(seq) for seq in seqs}
+            for c in self.class_acceptance.keys() - set(tested.values()):
+                self.class_acceptance[c] += RECOVERY * (PRIOR_ACCEPTANCE - self.class_acceptance[c])
+            rates = [self._rate(s, c, tested[s.seq_id] == c) for s, c in zip(seqs, classes)]
+            ks = self._allocate(rates, limits)
+        for seq, k, c in zip(seqs, ks, classes):
+            if k:
+                self.last_class[seq.seq_id] = c
+        return ks
 
-    def _step_time(self, num_tokens: int, depth: int, batch: int) -> float:
-        """Target forward over ``num_tokens`` plus ``depth`` sequential drafter forwards."""
+    def _allocate(self, rates: list[float], limits: list[int]) -> list[int]:
+        """The draft depth ``d`` that maximises expected tokens per second; each sequence then
+        verifies ``min(d, its limit)`` drafts."""
+        # Drafts worth verifying at all: the j-th only while its chance a**j >= MIN_CHANCE.
+        useful = [
+            next((j for j in range(k) if a ** (j + 1) < MIN_CHANCE), k)
+            for a, k in zip(rates, limits)
+        ]
+        best_depth, best_rate = 0, 0.0
+        for depth in range(max(useful, default=0) + 1):
+            expected = sum(
+                1 + sum(a**j for j in range(1, min(depth, k) + 1)) for a, k in zip(rates, useful)
+            )
+            rate = expected / self._step_time(depth, len(rates))
+            if rate > best_rate * (1 + 1e-9):
+                best_depth, best_rate = depth, rate
+        return [min(best_depth, k) for k in useful]
+
+    def observe_step(self, padded_tokens: int, seconds: float) -> None:
+        """Learn the step cost from a real decode/verify step (forward plus verification)."""
+        if self.cost is not None:
+            self.cost.observe(padded_tokens, seconds)
+
+    def _step_time(self, depth: int, batch: int) -> float:
+        """A target forward of ``batch`` sequences padded to ``depth`` drafts each, plus ``depth``
+        sequential drafter forwards."""
         assert self.cost is not None
         drafting = depth * self.draft_cost(batch) if self.draft_cost is not None else 0.0
-        return self.cost(num_tokens) + drafting
+        return self.cost(batch * (depth + 1)) + drafting
 
     def forget(self, seq: Sequence) -> None:
-        self.acceptance.pop(seq.seq_id, None)
-        self.seen.pop(seq.seq_id, None)
+        for table in (self.acceptance, self.seen, self.last_class):
+            table.pop(seq.seq_id, None)
 
     def _limit(self, seq: Sequence, max_model_len: int) -> int:
         """Drafts that could still be used: none mid-prefill, none past max_tokens or context."""
@@ -118,20 +203,33 @@ class AdaptivePolicy:
         cap = seq.params.num_speculative_tokens
         return max(0, min(self.max_drafts if cap is None else min(cap, self.max_drafts), room - 1))
 
-    def _observe(self, seq: Sequence) -> float:
-        """Fold the drafts verified since the last call into the sequence's average."""
+    def _fold(self, seq: Sequence) -> int | None:
+        """Fold the drafts ``seq`` verified since the last call into the averages of the class
+        they were drafted in; return that class (None if it verified none)."""
         drafted, accepted = seq.metrics.num_draft_tokens, seq.metrics.num_accepted_tokens
         last_drafted, last_accepted = self.seen.get(seq.seq_id, (0, 0))
-        rate = self.acceptance.get(seq.seq_id, PRIOR_ACCEPTANCE)
-        if drafted > last_drafted:
-            passed = accepted - last_accepted
-            tests = passed + (1 if passed < drafted - last_drafted else 0)
-            rate = (1 - EMA_WEIGHT) * rate + EMA_WEIGHT * passed / tests
-        else:
-            rate += RECOVERY * (PRIOR_ACCEPTANCE - rate)
         self.seen[seq.seq_id] = (drafted, accepted)
-        self.acceptance[seq.seq_id] = rate
-        return rate
+        if drafted <= last_drafted:
+            return None
+        tested = self.last_class.get(seq.seq_id, 1)
+        passed = accepted - last_accepted
+        rate = passed / (passed + (1 if passed < drafted - last_drafted else 0))
+        shared = self.class_acceptance.get(tested, PRIOR_ACCEPTANCE)
+        own = self.acceptance.setdefault(seq.seq_id, {})
+        own[tested] = (1 - EMA_WEIGHT) * own.get(tested, shared) + EMA_WEIGHT * rate
+        self.class_acceptance[tested] = (1 - CLASS_EMA_WEIGHT) * shared + CLASS_EMA_WEIGHT * rate
+        return tested
+
+    def _rate(self, seq: Sequence, draft_class: int, just_tested: bool) -> float:
+        """The sequence's acceptance average for ``draft_class`` (its class's, if it has none);
+        one not tested this step drifts back toward the class average, to be probed again."""
+        shared = self.class_acceptance.get(draft_class, PRIOR_ACCEPTANCE)
+        own = self.acceptance.get(seq.seq_id, {})
+        if draft_class not in own:
+            return shared
+        if not just_tested:
+            own[draft_class] += RECOVERY * (shared - own[draft_class])
+        return own[draft_class]
 
 
 def _timed(forward: Callable[[int], object], n: int) -> float:

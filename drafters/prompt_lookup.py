@@ -20,30 +20,64 @@ from specdec.sequence import Sequence
 class PromptLookupDrafter:
     name = "prompt_lookup"
 
-    def __init__(self, min_n: int = 2, max_n: int = 4):
+    def __init__(self, min_n: int = 1, max_n: int = 4):
         self.min_n, self.max_n = min_n, max_n
+        self._matches: dict[int, tuple[int, Match]] = {}  # seq_id -> (num_tokens, its match)
+
+    def draft_class(self, seq: Sequence) -> int:
+        """The length of the suffix n-gram that matched (0: no match, nothing to propose).
+
+        Longer matches are far more often right (on our prompt sets the first draft of a 1-gram
+        match was accepted 16-31% of the time, of a 4-gram match 80-100%), so the policy keeps
+        its acceptance estimates per class. The search is kept for :meth:`propose`.
+        """
+        return self._match(seq)[0]
 
     def propose(self, seqs: list[Sequence], num_drafts: list[int]) -> None:
         for seq, k in zip(seqs, num_drafts):
-            seq.spec_token_ids = lookup(seq.token_ids, k, self.min_n, self.max_n) if k else []
+            seq.spec_token_ids = continuation(seq.token_ids, self._match(seq), k) if k else []
+        self._matches.clear()
 
     def draft_probs(self, seqs: list[Sequence]) -> None:
         return None  # deterministic drafts: q is one-hot
 
     def forget(self, seq: Sequence) -> None:
-        pass
+        self._matches.pop(seq.seq_id, None)
+
+    def _match(self, seq: Sequence) -> Match:
+        cached = self._matches.get(seq.seq_id)
+        if cached is not None and cached[0] == seq.num_tokens:
+            return cached[1]
+        match = find_match(seq.token_ids, self.min_n, self.max_n)
+        self._matches[seq.seq_id] = (seq.num_tokens, match)
+        return match
+
+
+Match = tuple[int, np.ndarray]  # (n, start of every earlier occurrence of the suffix n-gram)
+
+
+def find_match(token_ids: list[int], min_n: int, max_n: int) -> Match:
+    """The longest suffix n-gram (``max_n`` down to ``min_n``) that occurred earlier, and where."""
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        windows = sliding_window_view(tokens[:-1], n)  # [L - n, n]: every earlier n-gram
+        starts = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+        if starts.size:
+            return n, starts
+    return 0, np.empty(0, dtype=np.int64)
+
+
+def continuation(token_ids: list[int], match: Match, k: int) -> list[int]:
+    """Up to ``k`` tokens that followed ``match``: after its latest occurrence that has ``k``
+    tokens after it, else after the earliest (the longest tail)."""
+    n, starts = match
+    if not starts.size:
+        return []
+    full = starts[starts + n + k <= len(token_ids)]
+    follow = int(full[-1] if full.size else starts[0]) + n
+    return list(token_ids[follow : follow + k])
 
 
 def lookup(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     """Up to ``k`` tokens that followed the latest earlier match of the longest suffix n-gram."""
-    tokens = np.asarray(token_ids, dtype=np.int64)
-    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
-        suffix = tokens[-n:]
-        windows = sliding_window_view(tokens[:-1], n)  # [L - n, n]: every earlier n-gram
-        starts = np.flatnonzero((windows == suffix).all(axis=1))
-        if starts.size:
-            # The latest match that has k tokens after it; else the earliest (the longest tail).
-            full = starts[starts + n + k <= len(tokens)]
-            follow = int(full[-1] if full.size else starts[0]) + n
-            return tokens[follow : follow + k].tolist()
-    return []
+    return continuation(token_ids, find_match(token_ids, min_n, max_n), k)

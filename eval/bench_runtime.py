@@ -43,11 +43,7 @@ def stream_read_gbps(num_bytes: int = 2**30, repeats: int = 5) -> float:
 
 def weight_bytes_per_step(llm: LLM) -> int:
     """Bytes of weights one decode step reads: every matrix once (an untied embedding: one row)."""
-    model = llm.engine.runner.model
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    if not model.config.tie_word_embeddings:
-        total -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
-    return total
+    return llm.engine.runner.model.weight_bytes_per_step()
 
 
 def _timed(fn: Callable[[], object]) -> float:

@@ -107,7 +107,7 @@ def paged_attention(
     if meta.dense:  # decodes and verification only: no gather of queries, no scatter of outputs
         groups, width = meta.query_index.shape
         q_dense = q.view(groups, width, *q.shape[1:])  # [G, Q, Hq, D]
-        o_dense = _attend(q_dense, k_flat[meta.key_slots], v_flat[meta.key_slots], meta.mask, scale)
+        o_dense = _attend(q_dense, _gather(k_flat, meta), _gather(v_flat, meta), meta.mask, scale)
         return o_dense.reshape(q.shape)
     out = torch.empty_like(q)
     for start, end in meta.fresh_ranges:
@@ -120,11 +120,19 @@ def paged_attention(
         )[0]
     if meta.query_index.numel():
         qg = q[meta.query_index]  # [G, Q, Hq, D]
-        kg = k_flat[meta.key_slots]  # [G, C, Hkv, D]
-        vg = v_flat[meta.key_slots]
-        og = _attend(qg, kg, vg, meta.mask, scale)  # [G, Q, Hq, D]
+        og = _attend(qg, _gather(k_flat, meta), _gather(v_flat, meta), meta.mask, scale)
         out[meta.valid_index] = og.flatten(0, 1)[meta.valid_rows]
     return out
+
+
+def _gather(cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """The cached group's keys (or values): ``[G, C, Hkv, D]`` from ``[num_slots, Hkv, D]``.
+
+    ``index_select`` on the flat slot list: 2-3x faster on the CPU than advanced indexing with
+    the ``[G, C]`` slot tensor, and with 32 sequences this gather is a large part of a step.
+    """
+    groups, width = meta.key_slots.shape
+    return cache.index_select(0, meta.key_slots.view(-1)).view(groups, width, *cache.shape[1:])
 
 
 def _attend(

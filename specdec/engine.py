@@ -8,6 +8,7 @@ memory is the runner's; the block ids are the scheduler's block manager's.
 from __future__ import annotations
 
 import itertools
+import time
 
 import torch
 
@@ -96,8 +97,12 @@ class Engine:
         out = self.scheduler.schedule()
         if not out.seqs:
             return []
+        start = time.perf_counter()
         res = self.runner.run(out)
         emitted = self.verifier.verify(out, res)
+        if self.policy is not None and out.total_tokens == len(res.logits):  # decode/verify only
+            padded = len(out.seqs) * max(out.num_scheduled_tokens)  # attention pads to this
+            self.policy.observe_step(padded, time.perf_counter() - start)
         updated = self.scheduler.update(out, emitted)
         deltas = [self._delta(seq) for seq in updated]
         self._propose(out)
@@ -111,7 +116,8 @@ class Engine:
             self.drafter.forget(seq)
             self.policy.forget(seq)
         running = self.scheduler.running
-        self.drafter.propose(running, self.policy.num_drafts(running, self.max_model_len))
+        ks = self.policy.num_drafts(running, self.max_model_len, self.drafter.draft_class)
+        self.drafter.propose(running, ks)
 
     def _delta(self, seq: Sequence) -> RequestOutput:
         """The text and tokens ``seq`` gained since its previous delta."""

@@ -110,7 +110,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def dummy_forward(self, num_tokens: int) -> None:
-        """One forward of a made-up ``num_tokens`` prompt, for timing; call only before serving.
+        """One forward of a made-up ``num_tokens`` prompt with logits at every token, as a step
+        verifying ``num_tokens`` query tokens needs; for timing, and only before serving.
 
         It writes K/V into the first blocks of the pool, which is harmless only while no block
         is in use or cached.
@@ -121,4 +122,4 @@ class ModelRunner:
         meta = AttentionMetadata.build([num_tokens], [num_tokens], [blocks], slots, self.block_size)
         ids = torch.zeros(num_tokens, dtype=torch.long)
         hidden = self.model(ids, torch.arange(num_tokens), meta)
-        self.model.compute_logits(hidden[-1:])
+        self.model.compute_logits(hidden).float()

@@ -19,7 +19,7 @@ from specdec.runner import StepResult
 from specdec.sampling import process_logits_for, sample
 from specdec.scheduler import SchedulerOutput
 from specdec.sequence import Sequence
-from specdec.verify import VerifyOutput, rejection_sample
+from specdec.verify import rejection_sample
 
 
 @dataclass(slots=True)
@@ -50,19 +50,19 @@ class SpecStats:
             a / max(1, d) for a, d in zip(self.accepted_per_position, self.drafted_per_position)
         ]
 
-    def record(self, num_drafts: list[int], result: VerifyOutput) -> None:
-        accepted = result.accepted_mask.long()  # [B, max_k]
-        max_k = accepted.shape[1]
+    def record(self, num_drafts: list[int], num_accepted: list[int]) -> None:
+        """Count one step's verification: sequence ``i`` accepted ``num_accepted[i]`` of its
+        ``num_drafts[i]`` drafts (an accepted prefix)."""
+        width = max(num_drafts, default=0)
         for stats in (self.accepted_per_position, self.drafted_per_position):
-            stats.extend([0] * (max_k - len(stats)))
-        for j, count in enumerate(accepted.sum(dim=0).tolist()):
-            self.accepted_per_position[j] += count
-        for k in num_drafts:
+            stats.extend([0] * (width - len(stats)))
+        for k, m in zip(num_drafts, num_accepted):
             for j in range(k):
                 self.drafted_per_position[j] += 1
+                self.accepted_per_position[j] += j < m
         self.num_verify_steps += sum(1 for k in num_drafts if k)
         self.num_draft_tokens += sum(num_drafts)
-        self.num_accepted_tokens += int(result.num_accepted.sum())
+        self.num_accepted_tokens += sum(num_accepted)
 
 
 class Verifier:
@@ -95,24 +95,59 @@ class Verifier:
 
     def _verify_drafts(self, seqs: list[Sequence], res: StepResult) -> list[list[int]]:
         num_drafts = [n - 1 for n in res.num_logit_rows]
-        row_seqs = [s for s, n in zip(seqs, res.num_logit_rows) for _ in range(n)]  # [T + B]
-        target = res.logits.clone()  # [T + B, V]
-        random_rows = [i for i, s in enumerate(row_seqs) if not s.params.is_greedy]
-        if random_rows:
-            target[random_rows] = process_logits_for(
-                res.logits[random_rows], [row_seqs[i].params for i in random_rows]
-            )
-        draft_ids = torch.tensor([t for s in seqs for t in s.spec_token_ids], dtype=torch.long)
-        cu = torch.tensor(num_drafts, dtype=torch.long).cumsum(0)
-        draft_probs = self.drafter.draft_probs(seqs) if self.drafter is not None else None
+        starts = [0]  # first logit row of each sequence
+        for n in res.num_logit_rows:
+            starts.append(starts[-1] + n)
+        tokens: list[list[int]] = [[] for _ in seqs]
+        num_accepted = [0] * len(seqs)
+        greedy = [i for i, s in enumerate(seqs) if s.params.is_greedy]
+        if greedy:
+            rows = [r for i in greedy for r in range(starts[i], starts[i + 1])]
+            best = res.logits[rows].argmax(dim=-1).tolist() if len(rows) < starts[-1] else None
+            if best is None:  # every row is greedy: no gather needed
+                best = res.logits.argmax(dim=-1).tolist()
+                rows = list(range(starts[-1]))
+            argmax = dict(zip(rows, best))
+            for i in greedy:
+                row_best = [argmax[r] for r in range(starts[i], starts[i + 1])]
+                tokens[i] = _accept_greedy(seqs[i].spec_token_ids, row_best)
+                num_accepted[i] = len(tokens[i]) - 1
+        sampled = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
+        if sampled:
+            for i, seq_tokens in zip(sampled, self._rejection_sample(seqs, res, sampled, starts)):
+                tokens[i] = seq_tokens
+                num_accepted[i] = len(seq_tokens) - 1
+        self.stats.record(num_drafts, num_accepted)
+        return tokens
+
+    def _rejection_sample(
+        self, seqs: list[Sequence], res: StepResult, sampled: list[int], starts: list[int]
+    ) -> list[list[int]]:
+        """Exact rejection sampling (specdec/verify.py) for the sampled sequences ``sampled``."""
+        chosen = [seqs[i] for i in sampled]
+        rows = [r for i in sampled for r in range(starts[i], starts[i + 1])]
+        row_params = [seqs[i].params for i in sampled for _ in range(starts[i], starts[i + 1])]
+        target = process_logits_for(res.logits[rows], row_params)  # [T + B, V]
+        draft_ids = torch.tensor([t for s in chosen for t in s.spec_token_ids], dtype=torch.long)
+        cu = torch.tensor([len(s.spec_token_ids) for s in chosen], dtype=torch.long).cumsum(0)
+        draft_probs = self.drafter.draft_probs(chosen) if self.drafter is not None else None
         result = rejection_sample(
             draft_ids,
             cu,
             draft_probs,
             target,
-            torch.tensor([s.params.is_greedy for s in seqs]),
-            [s.generator for s in seqs],
+            torch.zeros(len(chosen), dtype=torch.bool),
+            [s.generator for s in chosen],
         )
-        self.stats.record(num_drafts, result)
         counts = result.num_emitted_tokens.tolist()
         return [row[:n] for row, n in zip(result.output_token_ids.tolist(), counts)]
+
+
+def _accept_greedy(drafts: list[int], argmax: list[int]) -> list[int]:
+    """Greedy verification: keep drafts while each equals the target's argmax at its position,
+    then add the argmax at the first mismatch (or the bonus position). This is what rejection
+    sampling does when p is one-hot (kernels/rejection.py treats greedy rows the same way)."""
+    m = 0
+    while m < len(drafts) and drafts[m] == argmax[m]:
+        m += 1
+    return drafts[:m] + [argmax[m]]

@@ -29,6 +29,9 @@ class ScriptedDrafter:
     def __init__(self, reference: dict[tuple[int, ...], list[int]], k: int, wrong_at: int):
         self.reference, self.k, self.wrong_at = reference, k, wrong_at
 
+    def draft_class(self, seq: Sequence) -> int:
+        return 1
+
     def propose(self, seqs: list[Sequence], num_drafts: list[int]) -> None:
         for seq, k in zip(seqs, num_drafts):
             future = self.reference[tuple(seq.prompt_token_ids)][seq.num_output_tokens :]
@@ -132,6 +135,9 @@ class RandomDrafter:
         self.q /= self.q.sum()
         self.with_probs = with_probs
         self.rng = torch.Generator().manual_seed(0)
+
+    def draft_class(self, seq):
+        return 1
 
     def propose(self, seqs, num_drafts):
         for seq, k in zip(seqs, num_drafts):

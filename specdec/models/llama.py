@@ -18,6 +18,7 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from specdec.attention import AttentionMetadata, paged_attention
+from specdec.models.linear import prepack_linears
 
 FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}  # config.model_type
 
@@ -233,7 +234,18 @@ class LlamaForCausalLM(nn.Module):
         if model.config.tie_word_embeddings:  # to_empty gives each module a tensor of its own
             model.lm_head.weight = model.embed_tokens.weight
         model.load_hf_state_dict(state_dict)
+        prepack_linears(model)  # bf16 on a oneDNN build: packed weights (see models/linear.py)
         return model.eval().requires_grad_(False)
+
+    def weight_bytes_per_step(self) -> int:
+        """Bytes of weights a decode step reads: every matrix once, one row of the embedding."""
+        cfg, elem = self.config, self.embed_tokens.weight.element_size()
+        attn = cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        attn += cfg.num_heads * cfg.head_dim * cfg.hidden_size
+        mlp = 3 * cfg.hidden_size * cfg.intermediate_size
+        norms = (2 * cfg.num_layers + 1) * cfg.hidden_size
+        head = cfg.vocab_size * cfg.hidden_size
+        return elem * (cfg.num_layers * (attn + mlp) + norms + head + cfg.hidden_size)
 
     def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Take weights named as in transformers, fusing q/k/v and gate/up on the way."""

@@ -22,10 +22,11 @@ def test_cost_model_interpolates_and_extrapolates():
 def test_cheap_steps_and_good_acceptance_get_the_full_k():
     policy = AdaptivePolicy(max_drafts=8, cost=FLAT)
     seqs = [decoding_seq(0), decoding_seq(1)]
-    policy.num_drafts(seqs, 1000)  # first look: prior acceptance
-    for seq in seqs:
-        seq.metrics.num_draft_tokens, seq.metrics.num_accepted_tokens = 8, 8
-    assert policy.num_drafts(seqs, 1000) == [8, 8]
+    for step in range(5):  # every draft accepted, step after step
+        for seq in seqs:
+            seq.metrics.num_draft_tokens = seq.metrics.num_accepted_tokens = 8 * step
+        ks = policy.num_drafts(seqs, 1000)
+    assert ks == [8, 8]
 
 
 def test_compute_bound_steps_get_no_drafts():
@@ -60,3 +61,65 @@ def test_an_expensive_draft_model_is_not_worth_running():
     costly = AdaptivePolicy(max_drafts=4, cost=FLAT, draft_cost=StepCostModel([(1, 1.0)]))
     assert cheap.num_drafts([seq], 1000) == [4]
     assert costly.num_drafts([seq], 1000) == [0]
+
+
+def test_cost_model_learns_real_step_times_and_stays_monotone():
+    cost = StepCostModel([(1, 1.0), (128, 1.1)])  # start-up guess: drafts look almost free
+    for _ in range(100):  # real steps say otherwise: 48 query tokens cost twice a 32-token step
+        cost.observe(32, 1.0)
+        cost.observe(48, 2.0)
+    assert abs(cost(32) - 1.0) < 0.02 and abs(cost(48) - 2.0) < 0.02
+    assert cost.num_observed == 200
+    cost.observe(1, 5.0)  # one outlier: the curve moves a step toward it and stays monotone
+    assert all(a <= b for a, b in zip(cost.times, cost.times[1:]))
+    assert cost(1) == 1.8 and cost(2) >= cost(1)
+
+
+def test_learned_costs_turn_drafting_off_in_a_busy_batch():
+    """The start-up curve says drafts are free; measured verification steps say they are not."""
+    policy = AdaptivePolicy(max_drafts=4, cost=StepCostModel([(1, 1.0), (256, 1.1)]))
+    seqs = [decoding_seq(i, drafted=4, accepted=2) for i in range(32)]
+    assert sum(policy.num_drafts(seqs, 1000)) > 0
+    for _ in range(50):
+        policy.observe_step(32, 1.0)
+        policy.observe_step(64, 2.2)
+        policy.observe_step(160, 5.0)
+    assert policy.num_drafts(seqs, 1000) == [0] * 32
+
+
+def test_acceptance_is_kept_per_draft_class_and_class_zero_gets_nothing():
+    classes = {0: 4, 1: 1, 2: 0}  # seq 0 matched a 4-gram, seq 1 a 1-gram, seq 2 nothing
+    policy = AdaptivePolicy(
+        max_drafts=4,
+        cost=StepCostModel([(1, 1.0), (4, 1.02), (16, 1.5)]),
+    )
+
+    def classify(seq):
+        return classes[seq.seq_id]
+
+    seqs = [decoding_seq(i) for i in range(3)]
+    assert policy.num_drafts(seqs, 1000, classify)[2] == 0
+    for step in range(1, 8):  # 4-gram drafts always pass, 1-gram drafts always fail
+        seqs[0].metrics.num_draft_tokens = seqs[0].metrics.num_accepted_tokens = 4 * step
+        seqs[1].metrics.num_draft_tokens = 4 * step
+        ks = policy.num_drafts(seqs, 1000, classify)
+    assert ks[0] == 4 and ks[1] == 0 and ks[2] == 0
+    assert policy.acceptance[0][4] > 0.9 and policy.acceptance[1][1] < 0.1
+    # Class averages move slowly (many sequences feed them), and a new sequence starts there.
+    assert policy.class_acceptance[4] > 0.6 > 0.4 > policy.class_acceptance[1]
+    classes.update({3: 4, 4: 1})
+    good_class, bad_class = policy.num_drafts([decoding_seq(3), decoding_seq(4)], 1000, classify)
+    assert good_class > bad_class >= 1
+
+
+def test_a_busy_batch_drafts_only_if_the_padded_step_pays():
+    """Raising the depth pads every sequence: B more query tokens at once."""
+    seqs = [decoding_seq(i) for i in range(32)]
+    # 32 tokens cost 1.0; padding to 64 costs 1.3: worth it only if drafts gain > 30% tokens.
+    cost = StepCostModel([(1, 0.5), (32, 1.0), (64, 1.3), (96, 1.6), (288, 6.0)])
+    policy = AdaptivePolicy(max_drafts=8, cost=cost)
+    policy.class_acceptance[1] = 0.2  # 0.2 expected tokens per sequence for 30% more time
+    assert policy.num_drafts(seqs, 1000) == [0] * 32
+    policy = AdaptivePolicy(max_drafts=8, cost=cost)
+    policy.class_acceptance[1] = 0.9  # 0.9 + 0.81 expected tokens: depth 2 pays best
+    assert policy.num_drafts(seqs, 1000) == [2] * 32
