@@ -23,7 +23,8 @@ is under ``MIN_CHANCE``. A lone stream with good acceptance gets the full ``k``;
 fills, raising ``d`` costs ``B`` more padded tokens at once and ``t`` steepens, so drafts are
 withheld and a saturated engine runs as it would without speculation. Sequences whose drafts
 keep failing fall to ``k = 0`` and are probed again now and then: an average not tested in a
-step drifts back, a sequence's toward its class's and a class's toward the prior.
+step drifts back, a sequence's toward its class's and, ten times slower (a probe of a draft
+model costs its forwards), a class's toward the prior.
 
 Averages are kept per *draft class*, a number the drafter gives each sequence before it drafts
 (``Drafter.draft_class``): prompt lookup reports the length of the n-gram it matched, because a
@@ -44,19 +45,21 @@ PRIOR_ACCEPTANCE = 0.5  # acceptance assumed for a sequence not yet measured
 EMA_WEIGHT = 0.3  # weight of the latest step in a sequence's moving average
 CLASS_EMA_WEIGHT = 0.05  # weight of one sequence's step in its class's average
 MIN_CHANCE = 0.05  # a draft less likely than this to be accepted is not verified
-RECOVERY = 0.02  # drift of an idle sequence's average back toward the prior, per step
+RECOVERY = 0.02  # per-step drift of an untested sequence's average toward its class's
+CLASS_RECOVERY = 0.002  # per-step drift of an untested class's average toward the prior
 
 
 class StepCostModel:
-    """Step time ``t(N)``, piecewise linear in the number of query tokens ``N``.
+    """Step time ``t(N)``, piecewise linear in ``N``, the step's padded query tokens.
 
     It starts from timed forwards (:meth:`measure`) and then learns from the real steps the
-    engine reports (:meth:`observe`): a start-up forward of one made-up prompt misses costs a real
-    batch has (gathering each sequence's keys, padding mixed query lengths, verification), and
-    the policy must compare the steps it will actually run. Knots sit at the measured sizes, at
-    every size up to 16 (the curve is not smooth there: float32 steps on MKL cost about the same
-    from 1 to 3 rows and jump at 4) and at powers of two; an observation moves the two knots around its ``N`` toward the time seen,
-    in proportion to how close each is. Read back, the curve is made non-decreasing.
+    engine reports (:meth:`observe`): a start-up forward of one made-up prompt misses costs a
+    real batch has (gathering each sequence's keys, padding mixed query lengths, verification),
+    and the policy must compare the steps it will actually run. Knots sit at the measured sizes,
+    at every size up to 16 (the curve is not smooth there: float32 steps on MKL cost about the
+    same from 1 to 3 rows and jump at 4) and at powers of two. An observation moves the two
+    knots around its ``N`` toward the time seen, in proportion to how close each is (a least
+    mean squares step); read back, the curve is made non-decreasing.
     """
 
     LEARNING_RATE = 0.2  # share of a step's prediction error taken into the curve
@@ -153,7 +156,8 @@ class AdaptivePolicy:
         else:
             tested = {seq.seq_id: self._fold(seq) for seq in seqs}
             for c in self.class_acceptance.keys() - set(tested.values()):
-                self.class_acceptance[c] += RECOVERY * (PRIOR_ACCEPTANCE - self.class_acceptance[c])
+                drift = CLASS_RECOVERY * (PRIOR_ACCEPTANCE - self.class_acceptance[c])
+                self.class_acceptance[c] += drift
             rates = [self._rate(s, c, tested[s.seq_id] == c) for s, c in zip(seqs, classes)]
             ks = self._allocate(rates, limits)
         for seq, k, c in zip(seqs, ks, classes):

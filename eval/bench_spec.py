@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from specdec import LLM, SamplingParams
+from specdec import LLM, SamplingParams, SpecConfig
+from specdec.drafters.prompt_lookup import lookup
 from specdec.eval.prompts import load_prompts
 
 STYLES = ("summarization", "retrieval", "code_editing", "chat")
@@ -53,8 +54,8 @@ def build_systems(dtype: str, draft_model: str | None) -> dict[str, Any]:
     return systems
 
 
-def run_once(name: str, system: Any, prompt: list[int], max_tokens: int) -> tuple[float, int]:
-    """Generate greedily; return (seconds, tokens generated)."""
+def run_once(name: str, system: Any, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
+    """Generate greedily; return (seconds, the generated token ids)."""
     start = time.perf_counter()
     if name.startswith("hf"):
         extra = {"prompt_lookup_num_tokens": 10} if name == "hf+prompt_lookup" else {}
@@ -65,11 +66,31 @@ def run_once(name: str, system: Any, prompt: list[int], max_tokens: int) -> tupl
             pad_token_id=0,
             **extra,
         )
-        num_tokens = out.shape[1] - len(prompt)
+        token_ids = out[0, len(prompt) :].tolist()
     else:
         params = SamplingParams(temperature=0, max_tokens=max_tokens)
-        num_tokens = len(system.generate([prompt], params)[0].token_ids)
-    return time.perf_counter() - start, num_tokens
+        token_ids = system.generate([prompt], params)[0].token_ids
+    return time.perf_counter() - start, token_ids
+
+
+def lookup_ceiling(prompt: list[int], output: list[int], spec: SpecConfig) -> tuple[int, int]:
+    """(tokens, target steps) to produce the greedy ``output`` if prompt lookup drafted its full
+    ``k`` at every step: the most tokens per step this drafter can give on this text, whatever
+    verification costs (accepted drafts + 1 per step)."""
+    tokens, steps, pos = list(prompt), 0, 0
+    while pos < len(output):
+        drafts = lookup(
+            tokens, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+        )
+        accepted = 0
+        while accepted < len(drafts) and pos + accepted < len(output):
+            if drafts[accepted] != output[pos + accepted]:
+                break
+            accepted += 1
+        advance = min(accepted + 1, len(output) - pos)
+        tokens += output[pos : pos + advance]
+        pos, steps = pos + advance, steps + 1
+    return len(output), steps
 
 
 def single_stream(systems: dict[str, Any], style: str, quick: bool) -> dict[str, Any]:
@@ -82,14 +103,22 @@ def single_stream(systems: dict[str, Any], style: str, quick: bool) -> dict[str,
     before = {n: _counters(systems[n]) for n in names if n.startswith("specdec+")}
     seconds = dict.fromkeys(names, 0.0)
     tokens = dict.fromkeys(names, 0)
+    ceiling = [0, 0]  # tokens, steps
     for prompt, record in zip(prompts, records):
         max_tokens = record["max_tokens"] // (4 if quick else 1)
         for name in names:
             system = systems["hf" if name.startswith("hf") else name]
-            elapsed, count = run_once(name, system, prompt, max_tokens)
+            elapsed, token_ids = run_once(name, system, prompt, max_tokens)
             seconds[name] += elapsed
-            tokens[name] += count
+            tokens[name] += len(token_ids)
+            if name == "specdec":
+                spec = systems["specdec+prompt_lookup"].spec_config
+                for i, count in enumerate(lookup_ceiling(prompt, token_ids, spec)):
+                    ceiling[i] += count
     row: dict[str, Any] = {f"{n}_tok_s": tokens[n] / seconds[n] for n in names}
+    row["prompt_lookup_ceiling_tokens_per_step"] = ceiling[0] / max(1, ceiling[1])
+    row.update({f"{n}_tokens": tokens[n] for n in names})
+    row.update({f"{n}_seconds": seconds[n] for n in names})
     base = row["specdec_tok_s"]
     for n in names:
         row[f"{n}_vs_specdec"] = row[f"{n}_tok_s"] / base
@@ -135,8 +164,8 @@ def markdown(result: dict[str, Any]) -> str:
     rows = result["single_stream"]
     names = [k.removesuffix("_tok_s") for k in rows[STYLES[0]] if k.endswith("_tok_s")]
     lines = [
-        "| style | " + " | ".join(names) + " | mean accepted length |",
-        "|---" * (len(names) + 2) + "|",
+        "| style | " + " | ".join(names) + " | mean accepted length | lookup ceiling |",
+        "|---" * (len(names) + 3) + "|",
     ]
     for style, row in rows.items():
         cells = [f"{row[f'{n}_tok_s']:.1f} ({row[f'{n}_vs_specdec']:.2f}x)" for n in names]
@@ -145,7 +174,20 @@ def markdown(result: dict[str, Any]) -> str:
             for n in names
             if f"{n}_mean_accepted_length" in row
         )
-        lines.append(f"| {style} | " + " | ".join(cells) + f" | {mal} |")
+        ceiling = row["prompt_lookup_ceiling_tokens_per_step"]
+        lines.append(f"| {style} | " + " | ".join(cells) + f" | {mal} | {ceiling:.2f} |")
+    overall = {
+        n: sum(r[f"{n}_tokens"] for r in rows.values())
+        / sum(r[f"{n}_seconds"] for r in rows.values())
+        for n in names
+    }
+    lines.append(
+        "\nAll styles together: prompt lookup "
+        f"{overall['specdec+prompt_lookup'] / overall['specdec']:.2f}x the engine without "
+        f"speculation and {overall['specdec+prompt_lookup'] / overall['hf+prompt_lookup']:.2f}x "
+        "transformers' prompt lookup. Lookup ceiling: tokens per target step if prompt lookup "
+        "drafted its full k every step (its accepted drafts + 1), from the greedy outputs."
+    )
     c = result["concurrent"]
     lines.append(
         f"\n{c['num_requests']} concurrent requests: prompt lookup "

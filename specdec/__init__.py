@@ -1,8 +1,9 @@
 """specdec: exact speculative decoding on a paged-KV, continuously batched runtime."""
 
 from specdec.config import EngineConfig, SamplingParams
+from specdec.drafters.base import SpecConfig
 from specdec.llm import LLM
 from specdec.outputs import RequestOutput
 
-__all__ = ["LLM", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "EngineConfig", "RequestOutput", "SamplingParams", "SpecConfig"]
 __version__ = "0.1.0"

@@ -7,8 +7,7 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency
 
-from specdec import SamplingParams
-from specdec.drafters import SpecConfig
+from specdec import SamplingParams, SpecConfig
 from specdec.sequence import Sequence
 from tests.tiny import hf_greedy
 
