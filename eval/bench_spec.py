@@ -6,10 +6,12 @@ On the default model, for each prompt style (``eval/prompts/{summarization,retri
 code_editing,chat}.jsonl``) it times single-stream greedy generation of every prompt with: the
 engine without speculation, with prompt lookup, with a draft model (when one is given or has been
 distilled, see ``python -m specdec.drafters.distill``), ``transformers`` ``generate``, and
-``transformers`` ``generate(prompt_lookup_num_tokens=10)``. The systems take turns prompt by
-prompt, so drift in machine load hits all alike. It also reports each drafter's mean accepted
-length and acceptance rate per style, and the throughput of the 32 concurrent requests of
-``runtime.jsonl`` with and without prompt lookup. Results: ``eval/results/spec.{json,md}``.
+``transformers`` ``generate(prompt_lookup_num_tokens=10)``. The systems take turns on each
+prompt, in order and then in reverse order, so drift in machine load hits all alike. It also
+reports each drafter's mean accepted length and acceptance rate per style, the ceiling no prompt
+lookup can pass on these outputs (:func:`lookup_ceiling`), all styles together, and the
+throughput of the 32 concurrent requests of ``runtime.jsonl`` with and without prompt lookup.
+Results: ``eval/results/spec_{dtype}.{json,md}``.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from numpy.lib.stride_tricks import sliding_window_view
 
 from specdec import LLM, SamplingParams, SpecConfig
-from specdec.drafters.prompt_lookup import lookup
 from specdec.eval.prompts import load_prompts
 
 STYLES = ("summarization", "retrieval", "code_editing", "chat")
@@ -74,22 +77,33 @@ def run_once(name: str, system: Any, prompt: list[int], max_tokens: int) -> tupl
 
 
 def lookup_ceiling(prompt: list[int], output: list[int], spec: SpecConfig) -> tuple[int, int]:
-    """(tokens, target steps) to produce the greedy ``output`` if prompt lookup drafted its full
-    ``k`` at every step: the most tokens per step this drafter can give on this text, whatever
-    verification costs (accepted drafts + 1 per step)."""
-    tokens, steps, pos = list(prompt), 0, 0
-    while pos < len(output):
-        drafts = lookup(
-            tokens, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
-        )
-        accepted = 0
-        while accepted < len(drafts) and pos + accepted < len(output):
-            if drafts[accepted] != output[pos + accepted]:
-                break
-            accepted += 1
-        advance = min(accepted + 1, len(output) - pos)
-        tokens += output[pos : pos + advance]
-        pos, steps = pos + advance, steps + 1
+    """(tokens, target steps) to produce the greedy ``output`` with an *oracle* prompt lookup.
+
+    At every step the oracle drafts, out of every earlier occurrence of the last
+    ``prompt_lookup_min`` tokens, the (at most ``k``-token) continuation that ``output`` accepts
+    longest. Each verification step yields its accepted drafts + 1, so no n-gram lookup with
+    these settings, however it chooses its match and ``k``, gets more tokens per target step:
+    prompt lookup cannot speed decoding up by more than ``tokens / steps`` on this text.
+    """
+    k, n = spec.num_speculative_tokens, spec.prompt_lookup_min
+    tokens = np.asarray(prompt + output, dtype=np.int64)
+    pos, steps = len(prompt), 0
+    j = np.arange(k)
+    while pos < len(tokens):
+        best = 0
+        if pos > n:
+            windows = sliding_window_view(tokens[: pos - 1], n)  # n-grams that end before pos
+            follow = np.flatnonzero((windows == tokens[pos - n : pos]).all(axis=1)) + n  # [F]
+            draft_at = follow[:, None] + j  # [F, k] positions of each candidate's drafts
+            target_at = pos + j  # [k]
+            valid = (draft_at < pos) & (target_at < len(tokens))  # inside the history / output
+            same = valid & (
+                tokens[np.minimum(draft_at, pos - 1)]
+                == tokens[np.minimum(target_at, len(tokens) - 1)]
+            )
+            if follow.size:
+                best = int(np.cumprod(same, axis=1).sum(axis=1).max())
+        pos, steps = pos + best + 1, steps + 1
     return len(output), steps
 
 
@@ -106,12 +120,12 @@ def single_stream(systems: dict[str, Any], style: str, quick: bool) -> dict[str,
     ceiling = [0, 0]  # tokens, steps
     for prompt, record in zip(prompts, records):
         max_tokens = record["max_tokens"] // (4 if quick else 1)
-        for name in names:
+        for turn, name in enumerate([*names, *reversed(names)]):  # A B C .. C B A
             system = systems["hf" if name.startswith("hf") else name]
             elapsed, token_ids = run_once(name, system, prompt, max_tokens)
             seconds[name] += elapsed
             tokens[name] += len(token_ids)
-            if name == "specdec":
+            if turn == 0:  # the engine without speculation: its greedy output
                 spec = systems["specdec+prompt_lookup"].spec_config
                 for i, count in enumerate(lookup_ceiling(prompt, token_ids, spec)):
                     ceiling[i] += count
@@ -185,8 +199,10 @@ def markdown(result: dict[str, Any]) -> str:
         "\nAll styles together: prompt lookup "
         f"{overall['specdec+prompt_lookup'] / overall['specdec']:.2f}x the engine without "
         f"speculation and {overall['specdec+prompt_lookup'] / overall['hf+prompt_lookup']:.2f}x "
-        "transformers' prompt lookup. Lookup ceiling: tokens per target step if prompt lookup "
-        "drafted its full k every step (its accepted drafts + 1), from the greedy outputs."
+        "transformers' prompt lookup. Lookup ceiling: tokens per target step of an oracle "
+        "that drafts, at every step, the best continuation of any earlier occurrence of the "
+        "last prompt_lookup_min tokens (see lookup_ceiling): no prompt lookup can beat that "
+        "speedup on these outputs."
     )
     c = result["concurrent"]
     lines.append(

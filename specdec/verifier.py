@@ -103,15 +103,14 @@ class Verifier:
         greedy = [i for i, s in enumerate(seqs) if s.params.is_greedy]
         if greedy:
             rows = [r for i in greedy for r in range(starts[i], starts[i + 1])]
-            best = res.logits[rows].argmax(dim=-1).tolist() if len(rows) < starts[-1] else None
-            if best is None:  # every row is greedy: no gather needed
-                best = res.logits.argmax(dim=-1).tolist()
-                rows = list(range(starts[-1]))
-            argmax = dict(zip(rows, best))
+            logits = res.logits if len(greedy) == len(seqs) else res.logits[rows]
+            argmax = logits.argmax(dim=-1).tolist()  # one per greedy row, in order
+            offset = 0
             for i in greedy:
-                row_best = [argmax[r] for r in range(starts[i], starts[i + 1])]
-                tokens[i] = _accept_greedy(seqs[i].spec_token_ids, row_best)
+                n = starts[i + 1] - starts[i]
+                tokens[i] = _accept_greedy(seqs[i].spec_token_ids, argmax[offset : offset + n])
                 num_accepted[i] = len(tokens[i]) - 1
+                offset += n
         sampled = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
         if sampled:
             for i, seq_tokens in zip(sampled, self._rejection_sample(seqs, res, sampled, starts)):
