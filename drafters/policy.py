@@ -70,7 +70,8 @@ class StepCostModel:
         sizes = {n for n, _ in measured} | set(range(1, 17))  # MKL's fp32 GEMM jumps at 4 rows
         sizes |= {2**i for i in range(self.MAX_KNOT.bit_length())}
         self.sizes = sorted(sizes)
-        self.values = [_interpolate(measured, n) for n in self.sizes]
+        sizes_measured, times_measured = [n for n, _ in measured], [t for _, t in measured]
+        self.values = [_interpolate(sizes_measured, times_measured, n) for n in self.sizes]
         self.times = self._monotone()
         self.num_observed = 0
 
@@ -90,7 +91,7 @@ class StepCostModel:
         return StepCostModel(points)
 
     def __call__(self, num_tokens: int) -> float:
-        return _interpolate(list(zip(self.sizes, self.times)), num_tokens)
+        return _interpolate(self.sizes, self.times, num_tokens)
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """Learn from a real step of ``num_tokens`` query tokens that took ``seconds``."""
@@ -110,14 +111,13 @@ class StepCostModel:
         return list(itertools.accumulate(self.values, max))
 
 
-def _interpolate(points: list[tuple[int, float]], n: int) -> float:
-    """Piecewise-linear ``t(n)`` through sorted ``points``, extended along the end segments."""
-    sizes = [p for p, _ in points]
+def _interpolate(sizes: list[int], times: list[float], n: int) -> float:
+    """Piecewise-linear ``t(n)`` through sorted ``(sizes, times)``, extended along the ends."""
     i = bisect.bisect_left(sizes, n)
-    if i == 0 or len(points) == 1:
-        return points[0][1] if i == 0 else points[-1][1]
-    j = min(i, len(points) - 1)  # extrapolate past the last point along the last segment
-    (n0, t0), (n1, t1) = points[j - 1], points[j]
+    if i == 0 or len(sizes) == 1:
+        return times[0] if i == 0 else times[-1]
+    j = min(i, len(sizes) - 1)  # extrapolate past the last point along the last segment
+    n0, n1, t0, t1 = sizes[j - 1], sizes[j], times[j - 1], times[j]
     return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
 
 

@@ -102,8 +102,9 @@ class Verifier:
         num_accepted = [0] * len(seqs)
         greedy = [i for i, s in enumerate(seqs) if s.params.is_greedy]
         if greedy:
-            rows = [r for i in greedy for r in range(starts[i], starts[i + 1])]
-            logits = res.logits if len(greedy) == len(seqs) else res.logits[rows]
+            logits = res.logits  # every row greedy: no gather
+            if len(greedy) < len(seqs):
+                logits = logits[[r for i in greedy for r in range(starts[i], starts[i + 1])]]
             argmax = logits.argmax(dim=-1).tolist()  # one per greedy row, in order
             offset = 0
             for i in greedy:

@@ -104,6 +104,9 @@ def test_adaptive_policy_drafts_for_repetitive_text(make_llm):
     out = llm.generate([REPETITIVE[2]], GREEDY)[0]
     assert out.token_ids == hf_greedy(llm.hf_model, REPETITIVE[2], GREEDY.max_tokens)
     assert out.metrics.num_steps < GREEDY.max_tokens
+    policy = llm.engine.policy
+    assert policy.cost.num_observed >= out.metrics.num_steps - 1  # every decode/verify step
+    assert policy.class_acceptance  # acceptance kept per matched n-gram length
 
 
 def test_bad_spec_config_is_rejected():
