@@ -46,8 +46,9 @@ class DraftModelDrafter:
         tokenizer = spec.draft_tokenizer or engine.tokenizer
         checkpoint = load_checkpoint(spec.draft_model, tokenizer, dtype)
         _check_vocabulary(checkpoint.config, checkpoint.tokenizer, target_config, engine.tokenizer)
+        # Drafts need not be batch-invariant: only the target's logits decide what is kept.
         model = LlamaForCausalLM.from_hf(
-            checkpoint.config, checkpoint.state_dict, engine.max_model_len
+            checkpoint.config, checkpoint.state_dict, engine.max_model_len, batch_invariant=False
         )
         block_manager = engine.scheduler.block_manager
         runner = ModelRunner(model, block_manager.num_blocks, block_manager.block_size, dtype)

@@ -118,14 +118,19 @@ def single_stream(systems: dict[str, Any], style: str, quick: bool) -> dict[str,
     seconds = dict.fromkeys(names, 0.0)
     tokens = dict.fromkeys(names, 0)
     ceiling = [0, 0]  # tokens, steps
+    identical = {n: 0 for n in names if n.startswith("specdec+")}  # outputs equal to plain's
     for prompt, record in zip(prompts, records):
+        plain: list[int] = []
         max_tokens = record["max_tokens"] // (4 if quick else 1)
         for turn, name in enumerate([*names, *reversed(names)]):  # A B C .. C B A
             system = systems["hf" if name.startswith("hf") else name]
             elapsed, token_ids = run_once(name, system, prompt, max_tokens)
             seconds[name] += elapsed
             tokens[name] += len(token_ids)
+            if name in identical and turn < len(names):
+                identical[name] += token_ids == plain
             if turn == 0:  # the engine without speculation: its greedy output
+                plain = token_ids
                 spec = systems["specdec+prompt_lookup"].spec_config
                 for i, count in enumerate(lookup_ceiling(prompt, token_ids, spec)):
                     ceiling[i] += count
@@ -133,6 +138,8 @@ def single_stream(systems: dict[str, Any], style: str, quick: bool) -> dict[str,
     row["prompt_lookup_ceiling_tokens_per_step"] = ceiling[0] / max(1, ceiling[1])
     row.update({f"{n}_tokens": tokens[n] for n in names})
     row.update({f"{n}_seconds": seconds[n] for n in names})
+    row.update({f"{n}_identical_outputs": same for n, same in identical.items()})
+    row["num_prompts"] = len(prompts)
     base = row["specdec_tok_s"]
     for n in names:
         row[f"{n}_vs_specdec"] = row[f"{n}_tok_s"] / base
@@ -178,8 +185,10 @@ def markdown(result: dict[str, Any]) -> str:
     rows = result["single_stream"]
     names = [k.removesuffix("_tok_s") for k in rows[STYLES[0]] if k.endswith("_tok_s")]
     lines = [
-        "| style | " + " | ".join(names) + " | mean accepted length | lookup ceiling |",
-        "|---" * (len(names) + 3) + "|",
+        "| style | "
+        + " | ".join(names)
+        + " | mean accepted length | lookup ceiling | outputs identical to plain |",
+        "|---" * (len(names) + 4) + "|",
     ]
     for style, row in rows.items():
         cells = [f"{row[f'{n}_tok_s']:.1f} ({row[f'{n}_vs_specdec']:.2f}x)" for n in names]
@@ -189,7 +198,12 @@ def markdown(result: dict[str, Any]) -> str:
             if f"{n}_mean_accepted_length" in row
         )
         ceiling = row["prompt_lookup_ceiling_tokens_per_step"]
-        lines.append(f"| {style} | " + " | ".join(cells) + f" | {mal} | {ceiling:.2f} |")
+        same = ", ".join(
+            f"{n.removeprefix('specdec+')}: {row[f'{n}_identical_outputs']}/{row['num_prompts']}"
+            for n in names
+            if f"{n}_identical_outputs" in row
+        )
+        lines.append(f"| {style} | " + " | ".join(cells) + f" | {mal} | {ceiling:.2f} | {same} |")
     overall = {
         n: sum(r[f"{n}_tokens"] for r in rows.values())
         / sum(r[f"{n}_seconds"] for r in rows.values())

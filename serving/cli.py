@@ -58,6 +58,7 @@ def _is_loopback(host: str) -> bool:
 def serve(
     model: str | None,
     dtype: str,
+    batch_invariant: bool | None,
     drafter: str,
     draft_model: str | None,
     num_speculative_tokens: int,
@@ -81,6 +82,7 @@ def serve(
         llm = LLM(
             model,
             dtype=dtype,
+            batch_invariant=batch_invariant,
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
             kv_cache_memory_gb=kv_cache_memory_gb,

@@ -4,12 +4,33 @@ One function, :func:`paged_attention`, is the whole interface; the pure-torch pa
 CPU implementation (correct first), and a Triton path for CUDA can sit behind the same call.
 
 Per step the runner builds one :class:`AttentionMetadata` shared by every layer. Sequences are
-split in two groups so that no work is wasted on padding:
+split into groups so that little work is wasted on padding:
 
 * *fresh* sequences, whose whole context is computed this step (a prompt with no cached prefix),
   attend causally to their own new K/V and never read the cache;
 * the others (decodes, draft verification, later prefill chunks, prefix-cache hits) are padded
   to one batch and attend to K/V gathered from the cache through their block tables.
+
+**Batch-invariant mode** (``invariant=True``, the default for bfloat16): a query row's output is
+bitwise the same whatever else the step holds: how many drafts its sequence verifies, which other
+sequences share the step, how a prompt was cut into prefill chunks. Speculative decoding needs
+this to give exactly the tokens of plain decoding: in bfloat16 a one-ulp difference in a hidden
+state flips near-tied argmaxes within a few dozen tokens. The idea is that of Thinking Machines'
+"Defeating Nondeterminism in LLM Inference" (He et al., 2025): every reduction runs in an order
+that does not depend on the batch. Here that holds because
+
+* the attention matmuls have shapes whose per-element reduction oneDNN's bf16 GEMM keeps fixed
+  for any number of queries (see :func:`_attend_invariant`), and keys padded by the mask add
+  exact zeros; the model's linears, whose kernel changes above :data:`INVARIANT_TILE_ROWS` rows,
+  take their input in tiles of at most that many (:class:`specdec.models.linear.PackedLinear`);
+* there is no fresh path: every sequence reads its keys back from the cache, and a prompt chunk
+  wider than :data:`NARROW_QUERY` queries is a group of its own (no padding to its width);
+* scores are scaled, masked and normalised in float32, one row at a time.
+
+``tests/test_batch_invariance.py`` checks the property against one-token decodes on the kernels
+of the machine it runs on. It costs speed: on SmolLM2-135M a single-stream bf16 decode step takes
+about a tenth longer (two oneDNN calls per layer instead of one fused SDPA), and prefill linears
+run in 32-row tiles. ``batch_invariant=False`` trades the exactness back for that speed.
 """
 
 from __future__ import annotations
@@ -19,6 +40,70 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+INVARIANT_TILE_ROWS = 32  # most rows per bf16 linear call for which every row's bits are fixed
+NARROW_QUERY = 17  # queries of a decode or a verification of up to 16 drafts: padded together
+KEY_ALIGN = 64  # invariant mode pads key counts to a multiple of this (few GEMM shapes)
+QUERY_TILE = 256  # invariant mode: query positions per score matrix (bounds its memory)
+
+
+@dataclass(slots=True)
+class QueryGroup:
+    """Sequences attended together: queries padded to ``[G, Q]``, keys gathered to ``[G, C]``."""
+
+    query_index: torch.Tensor  # [G, Q] flat token index of each query (0 for padding)
+    key_slots: torch.Tensor  # [G, C] cache slot of each context key (slot 0 for padding)
+    mask: torch.Tensor | None  # [G, 1, Q, C] bool: query may see key; None: it sees them all
+    bias: torch.Tensor | None  # invariant mode: the mask as float32 0 / -inf, [G, 1, Q, C]
+    valid_index: torch.Tensor  # [M] flat token index of each real query
+    valid_rows: torch.Tensor  # [M] its row in the flattened [G * Q] group
+    head_rows: torch.Tensor | None = None  # invariant mode: [G * Hkv * C] cache row per key
+
+    @staticmethod
+    def build(
+        query_lens: list[int],  # [G]
+        context_lens: list[int],  # [G]
+        block_tables: list[list[int]],  # [G][num_blocks]
+        starts: list[int],  # [G] flat index of each sequence's first query
+        block_size: int,
+        invariant: bool,
+    ) -> QueryGroup:
+        q_len = torch.tensor(query_lens, dtype=torch.long)  # [G]
+        c_len = torch.tensor(context_lens, dtype=torch.long)  # [G]
+        max_q, max_c = max(query_lens), max(context_lens)
+        if invariant:
+            max_c = -(-max_c // KEY_ALIGN) * KEY_ALIGN
+        max_blocks = -(-max_c // block_size)
+        tables = torch.tensor(
+            [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in block_tables],
+            dtype=torch.long,
+        ).view(len(block_tables), max_blocks)  # [G, max_blocks], padded with block 0
+        j = torch.arange(max_q)  # [Q]
+        query_valid = j < q_len[:, None]  # [G, Q]
+        first = torch.tensor(starts, dtype=torch.long)  # [G]
+        query_index = torch.where(query_valid, first[:, None] + j, 0)  # [G, Q]
+        pos = torch.arange(max_c)  # [C]
+        key_slots = tables[:, pos // block_size] * block_size + pos % block_size  # [G, C]
+        # Query j sits at position c - q + j and sees keys at positions <= its own; padding
+        # rows see key 0 only, so that their softmax stays finite.
+        query_pos = torch.where(query_valid, (c_len - q_len)[:, None] + j, 0)  # [G, Q]
+        visible = (pos <= query_pos[:, :, None]) & (pos < c_len[:, None, None])  # [G, Q, C]
+        mask: torch.Tensor | None = visible.unsqueeze(1)  # [G, 1, Q, C]
+        bias: torch.Tensor | None = None
+        if invariant:
+            bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf")).unsqueeze(1)
+            mask = None
+        elif max_q == 1 and bool((c_len == max_c).all()):
+            mask = None  # one query per sequence and equal contexts: every key is visible
+        valid_rows = query_valid.flatten().nonzero().squeeze(1)  # [M]
+        return QueryGroup(
+            query_index,
+            key_slots,
+            mask,
+            bias,
+            query_index.flatten()[valid_rows],
+            valid_rows,
+        )
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -26,13 +111,9 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [N] int64 cache slot (block_id * block_size + offset) per token
     fresh_ranges: list[tuple[int, int]]  # (start, end) in the flat batch of each fresh sequence
-    query_index: torch.Tensor  # [G, Q] flat token index of each query of the cached group
-    query_valid: torch.Tensor  # [G, Q] bool: real query (not padding)
-    key_slots: torch.Tensor  # [G, C] cache slot of each context key of the cached group
-    mask: torch.Tensor | None  # [G, 1, Q, C] bool: query may see key; None: it sees them all
-    dense: bool  # the cached group is the whole batch, in order, with no padding: [N] = [G, Q]
-    valid_index: torch.Tensor  # [M] flat token index of each real query of the cached group
-    valid_rows: torch.Tensor  # [M] its row in the flattened [G * Q] group
+    groups: list[QueryGroup]  # the sequences that read keys from the cache
+    dense: bool  # one group, the whole batch in order with no padding: [N] = [G, Q]
+    invariant: bool  # batch-invariant attention (see the module docstring)
 
     @staticmethod
     def build(
@@ -41,51 +122,42 @@ class AttentionMetadata:
         block_tables: list[list[int]],  # [B][num_blocks] block ids of each sequence
         slot_mapping: torch.Tensor,  # [N]
         block_size: int,
+        invariant: bool = False,
     ) -> AttentionMetadata:
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
-        fresh = [i for i, (q, c) in enumerate(zip(query_lens, context_lens)) if q == c]
-        cached = [i for i, (q, c) in enumerate(zip(query_lens, context_lens)) if q != c]
-        fresh_ranges = [(starts[i], starts[i + 1]) for i in fresh]
-        q_len = torch.tensor([query_lens[i] for i in cached], dtype=torch.long)  # [G]
-        c_len = torch.tensor([context_lens[i] for i in cached], dtype=torch.long)  # [G]
-        max_q = int(q_len.max()) if cached else 0
-        max_c = int(c_len.max()) if cached else 0
-        max_blocks = -(-max_c // block_size)
-        tables = torch.tensor(
-            [
-                block_tables[i][:max_blocks]
-                + [0] * (max_blocks - len(block_tables[i][:max_blocks]))
-                for i in cached
-            ],
-            dtype=torch.long,
-        ).view(len(cached), max_blocks)  # [G, max_blocks], padded with block 0
-        first = torch.tensor([starts[i] for i in cached], dtype=torch.long)  # [G]
-        j = torch.arange(max_q)  # [Q]
-        query_valid = j < q_len[:, None]  # [G, Q]
-        query_index = torch.where(query_valid, first[:, None] + j, 0)  # [G, Q]
-        pos = torch.arange(max_c)  # [C]
-        key_slots = tables[:, pos // block_size] * block_size + pos % block_size  # [G, C]
-        # Query j sits at position c - q + j and sees keys at positions <= its own; padding
-        # rows see key 0 only, so that their softmax stays finite.
-        query_pos = torch.where(query_valid, (c_len - q_len)[:, None] + j, 0)  # [G, Q]
-        mask = (pos <= query_pos[:, :, None]) & (pos < c_len[:, None, None])  # [G, Q, C]
-        dense = not fresh and bool(query_valid.all())
-        # One query per sequence and equal contexts: every key is visible, no mask needed.
-        every_key = max_q == 1 and bool((c_len == max_c).all())
-        attn_mask = None if every_key else mask.unsqueeze(1)
-        valid_rows = query_valid.flatten().nonzero().squeeze(1)  # [M]
+        seqs = range(len(query_lens))
+        fresh = [] if invariant else [i for i in seqs if query_lens[i] == context_lens[i]]
+        cached = [i for i in seqs if i not in set(fresh)]
+        if invariant:  # a wide query (a prompt chunk) alone, so nothing is padded to its width
+            narrow = [i for i in cached if query_lens[i] <= NARROW_QUERY]
+            parts = [narrow] if narrow else []
+            parts += [[i] for i in cached if query_lens[i] > NARROW_QUERY]
+        else:
+            parts = [cached] if cached else []
+        groups = [
+            QueryGroup.build(
+                [query_lens[i] for i in part],
+                [context_lens[i] for i in part],
+                [block_tables[i] for i in part],
+                [starts[i] for i in part],
+                block_size,
+                invariant,
+            )
+            for part in parts
+        ]
+        dense = (
+            len(groups) == 1
+            and len(parts[0]) == len(query_lens)
+            and groups[0].valid_rows.numel() == groups[0].query_index.numel()
+        )
         return AttentionMetadata(
             slot_mapping,
-            fresh_ranges,
-            query_index,
-            query_valid,
-            key_slots,
-            attn_mask,
+            [(starts[i], starts[i + 1]) for i in fresh],
+            groups,
             dense,
-            query_index.flatten()[valid_rows],
-            valid_rows,
+            invariant,
         )
 
 
@@ -104,51 +176,112 @@ def paged_attention(
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     k_flat[meta.slot_mapping] = k
     v_flat[meta.slot_mapping] = v
+    attend, gather = (_attend_invariant, _gather_heads) if meta.invariant else (_attend, _gather)
     if meta.dense:  # decodes and verification only: no gather of queries, no scatter of outputs
-        groups, width = meta.query_index.shape
-        q_dense = q.view(groups, width, *q.shape[1:])  # [G, Q, Hq, D]
-        o_dense = _attend(q_dense, _gather(k_flat, meta), _gather(v_flat, meta), meta.mask, scale)
+        group = meta.groups[0]
+        q_dense = q.view(*group.query_index.shape, *q.shape[1:])  # [G, Q, Hq, D]
+        o_dense = attend(q_dense, gather(k_flat, group), gather(v_flat, group), group, scale)
         return o_dense.reshape(q.shape)
     out = torch.empty_like(q)
     for start, end in meta.fresh_ranges:
-        out[start:end] = _attend(
-            q[start:end].unsqueeze(0),
-            k[start:end].unsqueeze(0),
-            v[start:end].unsqueeze(0),
-            None,
-            scale,
-        )[0]
-    if meta.query_index.numel():
-        qg = q[meta.query_index]  # [G, Q, Hq, D]
-        og = _attend(qg, _gather(k_flat, meta), _gather(v_flat, meta), meta.mask, scale)
-        out[meta.valid_index] = og.flatten(0, 1)[meta.valid_rows]
+        out[start:end] = _attend_causal(q[start:end], k[start:end], v[start:end], scale)
+    for group in meta.groups:
+        qg = q[group.query_index]  # [G, Q, Hq, D]
+        og = attend(qg, gather(k_flat, group), gather(v_flat, group), group, scale)
+        out[group.valid_index] = og.flatten(0, 1)[group.valid_rows]
     return out
 
 
-def _gather(cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """The cached group's keys (or values): ``[G, C, Hkv, D]`` from ``[num_slots, Hkv, D]``.
+def _gather_heads(cache: torch.Tensor, group: QueryGroup) -> torch.Tensor:
+    """The group's keys (or values) head-major, ``[G * Hkv, C, D]``, in one gather.
+
+    The cache is read as rows of one head each, ``[num_slots * Hkv, D]``, so the matmuls get
+    contiguous per-head matrices without a transposing copy.
+    """
+    num_kv_heads, head_dim = cache.shape[1], cache.shape[2]
+    if group.head_rows is None:  # once per step: every layer shares the group
+        heads = torch.arange(num_kv_heads)
+        group.head_rows = (group.key_slots[:, None, :] * num_kv_heads + heads[:, None]).view(-1)
+    rows = cache.view(-1, head_dim).index_select(0, group.head_rows)
+    return rows.view(-1, group.key_slots.shape[1], head_dim)
+
+
+def _gather(cache: torch.Tensor, group: QueryGroup) -> torch.Tensor:
+    """The group's keys (or values): ``[G, C, Hkv, D]`` from ``[num_slots, Hkv, D]``.
 
     ``index_select`` on the flat slot list: 2-3x faster on the CPU than advanced indexing with
     the ``[G, C]`` slot tensor, and with 32 sequences this gather is a large part of a step.
     """
-    groups, width = meta.key_slots.shape
-    return cache.index_select(0, meta.key_slots.view(-1)).view(groups, width, *cache.shape[1:])
+    groups, width = group.key_slots.shape
+    return cache.index_select(0, group.key_slots.view(-1)).view(groups, width, *cache.shape[1:])
 
 
 def _attend(
     q: torch.Tensor,  # [G, Q, Hq, D]
     k: torch.Tensor,  # [G, C, Hkv, D]
     v: torch.Tensor,  # [G, C, Hkv, D]
-    mask: torch.Tensor | None,  # [G, 1, Q, C] bool, or None: causal if Q == C, else no mask
+    group: QueryGroup,
     scale: float,
 ) -> torch.Tensor:  # [G, Q, Hq, D]
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         k.transpose(1, 2),
         v.transpose(1, 2),
-        attn_mask=mask,
-        is_causal=mask is None and q.shape[1] > 1,  # only fresh prompts (Q == C) pass no mask
+        attn_mask=group.mask,
         scale=scale,
         enable_gqa=True,
     )  # [G, Hq, Q, D]
     return out.transpose(1, 2)
+
+
+def _attend_causal(
+    q: torch.Tensor,  # [L, Hq, D] a fresh prompt's queries
+    k: torch.Tensor,  # [L, Hkv, D] and its keys and values
+    v: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:  # [L, Hq, D]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        is_causal=True,
+        scale=scale,
+        enable_gqa=True,
+    )  # [1, Hq, L, D]
+    return out[0].transpose(0, 1)
+
+
+def _attend_invariant(
+    q: torch.Tensor,  # [G, Q, Hq, D]
+    keys: torch.Tensor,  # [G * Hkv, C, D]
+    values: torch.Tensor,  # [G * Hkv, C, D]
+    group: QueryGroup,
+    scale: float,
+) -> torch.Tensor:  # [G, Q, Hq, D]
+    """Attention whose every output row has bits independent of the batch around it.
+
+    Two bf16 matmuls per KV head, each with a shape whose per-element reduction order oneDNN
+    keeps for any number of queries: scores ``q @ K^T`` sum over the head dimension only, and
+    the output is computed transposed, ``V^T @ P^T``, so that its row count is the head
+    dimension whatever the number of queries, and the keys are its reduction (masked keys add
+    exact zeros). Scores are scaled, masked and normalised in float32. The ``g = Hq / Hkv``
+    query heads that share a KV head are rows of the same matmul.
+    """
+    assert group.bias is not None
+    batch, width, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[0] // batch
+    share, context = num_heads // num_kv_heads, keys.shape[1]
+    heads = q.view(batch, width, num_kv_heads, share, head_dim).transpose(1, 2)  # [G,Hkv,Q,g,D]
+    out = q.new_empty(batch, width, num_kv_heads, share, head_dim)
+    for s in range(0, width, QUERY_TILE):  # tiles only bound the float32 scores' memory
+        t = min(QUERY_TILE, width - s)
+        rows = heads[:, :, s : s + t].reshape(batch * num_kv_heads, t * share, head_dim)
+        scores = torch.bmm(rows, keys.transpose(1, 2)).float()  # [G * Hkv, t * g, C]
+        scores = scores.view(batch, num_kv_heads, t, share, context).mul_(scale)
+        scores.add_(group.bias[:, :, s : s + t, None])  # [G, 1, t, 1, C] broadcast
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        probs = probs.view(batch * num_kv_heads, t * share, context)
+        mixed = torch.bmm(values.transpose(1, 2), probs.transpose(1, 2))  # [G * Hkv, D, t * g]
+        mixed = mixed.view(batch, num_kv_heads, head_dim, t, share).permute(0, 3, 1, 4, 2)
+        out[:, s : s + t] = mixed  # [G, t, Hkv, g, D]
+    return out.view(batch, width, num_heads, head_dim)

@@ -36,6 +36,7 @@ def generate(
     prompts: tuple[str, ...],
     model: str | None,
     dtype: str,
+    batch_invariant: bool | None,
     raw: bool,
     stats: bool,
     drafter: str,
@@ -49,7 +50,7 @@ def generate(
     try:
         params = SamplingParams(**sampling)
         speculative = spec_config(drafter, draft_model, num_speculative_tokens)
-        llm = LLM(model, dtype=dtype, speculative=speculative)
+        llm = LLM(model, dtype=dtype, speculative=speculative, batch_invariant=batch_invariant)
         start = time.perf_counter()
         if raw:
             outputs = llm.generate(list(prompts), params)

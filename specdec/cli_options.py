@@ -8,7 +8,13 @@ import click
 
 
 def model_options(fn: Any) -> Any:
-    """``--model`` and ``--dtype``."""
+    """``--model``, ``--dtype`` and ``--batch-invariant``."""
+    fn = click.option(
+        "--batch-invariant/--no-batch-invariant",
+        default=None,
+        help="Kernels whose results do not depend on the batch, so that speculation gives "
+        "exactly plain decoding's tokens (default: on for bfloat16; needs bfloat16).",
+    )(fn)
     fn = click.option(
         "--dtype", default="float32", type=click.Choice(["float32", "bfloat16"]), show_default=True
     )(fn)

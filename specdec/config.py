@@ -74,6 +74,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024  # token budget of one step (prefill chunks + decodes)
     max_model_len: int | None = None  # longest prompt + output; None takes the model's limit
     enable_prefix_caching: bool = True  # reuse full KV blocks across requests by content hash
+    # Every row's result independent of the rest of the step (exact speculation in bfloat16);
+    # None: on for bfloat16 where oneDNN is available (see specdec.attention).
+    batch_invariant: bool | None = None
 
     def __post_init__(self) -> None:
         _check(self.block_size > 0, f"block_size must be positive, got {self.block_size}")

@@ -44,7 +44,7 @@ class LLM:
         self.tokenizer = checkpoint.tokenizer
         max_model_len = config.max_model_len or checkpoint.config.max_position_embeddings
         model_impl = LlamaForCausalLM.from_hf(
-            checkpoint.config, checkpoint.state_dict, max_model_len
+            checkpoint.config, checkpoint.state_dict, max_model_len, config.batch_invariant
         )
         self.engine = Engine(model_impl, self.tokenizer, config, self.dtype, max_model_len)
         self.spec_config = SpecConfig.coerce(speculative)

@@ -99,6 +99,7 @@ class ModelRunner:
             [c.block_table for c in chunks],
             slot_mapping,
             bs,
+            self.model.batch_invariant,
         )
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long),
@@ -119,7 +120,9 @@ class ModelRunner:
         num_tokens = min(num_tokens, self.k_caches[0].shape[0] * self.block_size)
         blocks = list(range(-(-num_tokens // self.block_size)))
         slots = torch.arange(num_tokens)
-        meta = AttentionMetadata.build([num_tokens], [num_tokens], [blocks], slots, self.block_size)
+        meta = AttentionMetadata.build(
+            [num_tokens], [num_tokens], [blocks], slots, self.block_size, self.model.batch_invariant
+        )
         ids = torch.zeros(num_tokens, dtype=torch.long)
         hidden = self.model(ids, torch.arange(num_tokens), meta)
         self.model.compute_logits(hidden).float()

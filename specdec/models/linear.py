@@ -10,12 +10,18 @@ little more than a plain step (``python -m specdec.eval.bench_runtime`` shows th
 
 Float32 keeps ``F.linear``: MKL's GEMV is faster at one row than the packed kernel there, and
 packing for the multi-row steps would mean a second copy of every weight.
+
+For batch-invariant models (see :mod:`specdec.attention`) a packed linear takes its input in
+tiles of at most ``INVARIANT_TILE_ROWS`` rows: oneDNN keeps each row's bits the same for any row
+count up to that, and switches to a kernel that sums in another order above it.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from specdec.attention import INVARIANT_TILE_ROWS
 
 
 def can_prepack(dtype: torch.dtype) -> bool:
@@ -31,8 +37,9 @@ def can_prepack(dtype: torch.dtype) -> bool:
 class PackedLinear(nn.Module):
     """``y = x @ W.T + b`` with ``W`` held in oneDNN's packed layout; inference only."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, max_rows: int | None = None):
         super().__init__()
+        self.max_rows = max_rows  # rows per kernel call; None: the whole input in one call
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.weight_nbytes = weight.numel() * weight.element_size()
@@ -41,18 +48,25 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, in] -> [N, out]
+        if self.max_rows is None or x.shape[0] <= self.max_rows:
+            return self._matmul(x)
+        return torch.cat([self._matmul(t) for t in x.split(self.max_rows)])
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
 
 
-def prepack_linears(model: nn.Module) -> int:
+def prepack_linears(model: nn.Module, invariant: bool = False) -> int:
     """Replace every bf16 ``nn.Linear`` in ``model`` by a :class:`PackedLinear`; return how many.
 
     A tied output layer gets a packed copy of the embedding matrix (the embedding keeps its own
-    rows for lookups). Does nothing where :func:`can_prepack` is false.
+    rows for lookups). Does nothing where :func:`can_prepack` is false. ``invariant``: the packed
+    linears run in row tiles that keep every row's result independent of the batch.
     """
+    max_rows = INVARIANT_TILE_ROWS if invariant else None
     swaps = [
         (parent, name, child)
         for parent in model.modules()
@@ -60,5 +74,5 @@ def prepack_linears(model: nn.Module) -> int:
         if isinstance(child, nn.Linear) and can_prepack(child.weight.dtype)
     ]
     for parent, name, child in swaps:
-        setattr(parent, name, PackedLinear(child))
+        setattr(parent, name, PackedLinear(child, max_rows))
     return len(swaps)

@@ -18,7 +18,7 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from specdec.attention import AttentionMetadata, paged_attention
-from specdec.models.linear import prepack_linears
+from specdec.models.linear import can_prepack, prepack_linears
 
 FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}  # config.model_type
 
@@ -202,6 +202,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.batch_invariant = False  # set by from_hf; the runner's attention follows it
 
     @property
     def attention_layers(self) -> list[Attention]:
@@ -225,8 +226,16 @@ class LlamaForCausalLM(nn.Module):
         hf_config,
         state_dict: dict[str, torch.Tensor],  # noqa: ANN001
         max_positions: int,
+        batch_invariant: bool | None = None,
     ) -> LlamaForCausalLM:
-        """Build the model around weights named as in transformers, without a random init."""
+        """Build the model around weights named as in transformers, without a random init.
+
+        ``batch_invariant``: every row's result independent of what else a step holds (see
+        :mod:`specdec.attention`), so that speculative decoding gives exactly the tokens of plain
+        decoding. ``None`` turns it on where it can be had, bfloat16 weights with oneDNN; float32
+        keeps MKL's faster kernels, whose rounding differs between row counts by far less than
+        float32's gaps between logits (``True`` with float32 is an error).
+        """
         with torch.device("meta"):
             model = cls(hf_config, max_positions)
         model.to_empty(device="cpu")
@@ -234,7 +243,15 @@ class LlamaForCausalLM(nn.Module):
         if model.config.tie_word_embeddings:  # to_empty gives each module a tensor of its own
             model.lm_head.weight = model.embed_tokens.weight
         model.load_hf_state_dict(state_dict)
-        prepack_linears(model)  # bf16 on a oneDNN build: packed weights (see models/linear.py)
+        supported = can_prepack(model.embed_tokens.weight.dtype)
+        if batch_invariant and not supported:
+            raise ValueError(
+                "batch-invariant kernels need bfloat16 weights and a oneDNN build of torch; "
+                "load with dtype='bfloat16' or pass batch_invariant=False"
+            )
+        model.batch_invariant = supported if batch_invariant is None else batch_invariant
+        # bf16 on a oneDNN build: packed weights (see models/linear.py)
+        prepack_linears(model, invariant=model.batch_invariant)
         return model.eval().requires_grad_(False)
 
     def weight_bytes_per_step(self) -> int:
