@@ -1,6 +1,7 @@
 """Runtime benchmark: specdec vs transformers on the default model, side by side in one run.
 
     python -m specdec.eval.bench_runtime [--dtype float32 --dtype bfloat16] [--quick]
+        [--no-batch-invariant]
 
 For each dtype it reports, as ratios measured in this one process:
 
@@ -13,7 +14,9 @@ For each dtype it reports, as ratios measured in this one process:
   per step over time per step, against a streaming read measured the same way in this run.
 
 Every system produces exactly the same useful tokens (EOS ignored), and throughput counts only
-those. Results go to ``eval/results/runtime.{json,md}``.
+those. bfloat16 runs on batch-invariant kernels, the engine's default there (exact speculation,
+see ``specdec/attention.py``); ``--no-batch-invariant`` measures the faster kernels without that
+guarantee. Results go to ``eval/results/runtime.{json,md}``.
 """
 
 from __future__ import annotations
@@ -147,12 +150,12 @@ def batched(llm: LLM, hf, tokenizer, requests: list[tuple[list[int], int]], repe
     }
 
 
-def run_dtype(dtype: str, quick: bool) -> dict:
+def run_dtype(dtype: str, quick: bool, batch_invariant: bool | None = None) -> dict:
     from transformers import AutoModelForCausalLM
 
     from specdec.loader import default_model_dir
 
-    llm = LLM(dtype=dtype)
+    llm = LLM(dtype=dtype, batch_invariant=batch_invariant)
     hf = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=llm.dtype).eval()
     records = load_prompts("runtime")[: 8 if quick else None]
     requests = [
@@ -172,7 +175,8 @@ def run_dtype(dtype: str, quick: bool) -> dict:
     single["weight_bytes_per_step"] = weights
     single["stream_read_gb_s"] = read
     single["bandwidth_fraction"] = weights / (single["decode_step_ms"] / 1e3) / 1e9 / read
-    return {"dtype": dtype, "single_stream": single, "batched": batch}
+    invariant = llm.engine.runner.model.batch_invariant
+    return {"dtype": dtype, "batch_invariant": invariant, "single_stream": single, "batched": batch}
 
 
 def markdown(results: list[dict]) -> str:
@@ -184,7 +188,8 @@ def markdown(results: list[dict]) -> str:
     for r in results:
         s, b = r["single_stream"], r["batched"]
         lines.append(
-            f"| {r['dtype']} | {s['specdec_tok_s']:.1f} / {s['hf_generate_tok_s']:.1f} | "
+            f"| {r['dtype']}{' (batch-invariant)' if r.get('batch_invariant') else ''} | "
+            f"{s['specdec_tok_s']:.1f} / {s['hf_generate_tok_s']:.1f} | "
             f"{s['speedup_vs_hf_generate']:.2f}x | {s['bandwidth_fraction']:.0%} of "
             f"{s['stream_read_gb_s']:.1f} GB/s | {b['specdec_tok_s']:.1f} | "
             f"{b['speedup_vs_hf_static']:.2f}x | {b['speedup_vs_hf_continuous']:.2f}x |"
@@ -196,9 +201,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", action="append", choices=["float32", "bfloat16"])
     parser.add_argument("--quick", action="store_true", help="8 short requests, one repeat")
+    parser.add_argument(
+        "--no-batch-invariant", action="store_true", help="bf16 without batch-invariant kernels"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    results = [run_dtype(d, args.quick) for d in args.dtype or ["float32", "bfloat16"]]
+    invariant = False if args.no_batch_invariant else None
+    results = [run_dtype(d, args.quick, invariant) for d in args.dtype or ["float32", "bfloat16"]]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "runtime.json").write_text(json.dumps(results, indent=2))
     table = markdown(results)

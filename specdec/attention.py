@@ -43,7 +43,7 @@ import torch.nn.functional as F
 INVARIANT_TILE_ROWS = 32  # most rows per bf16 linear call for which every row's bits are fixed
 NARROW_QUERY = 17  # queries of a decode or a verification of up to 16 drafts: padded together
 KEY_ALIGN = 64  # invariant mode pads key counts to a multiple of this (few GEMM shapes)
-QUERY_TILE = 256  # invariant mode: query positions per score matrix (bounds its memory)
+QUERY_TILE = 128  # invariant mode: query positions per score matrix (bounds its memory)
 
 
 @dataclass(slots=True)
@@ -56,6 +56,7 @@ class QueryGroup:
     bias: torch.Tensor | None  # invariant mode: the mask as float32 0 / -inf, [G, 1, Q, C]
     valid_index: torch.Tensor  # [M] flat token index of each real query
     valid_rows: torch.Tensor  # [M] its row in the flattened [G * Q] group
+    max_start: int = 0  # largest position of a first query: query j sees < max_start + j + 1
     head_rows: torch.Tensor | None = None  # invariant mode: [G * Hkv * C] cache row per key
 
     @staticmethod
@@ -102,6 +103,7 @@ class QueryGroup:
             bias,
             query_index.flatten()[valid_rows],
             valid_rows,
+            int((c_len - q_len).max()),
         )
 
 
@@ -273,15 +275,17 @@ def _attend_invariant(
     share, context = num_heads // num_kv_heads, keys.shape[1]
     heads = q.view(batch, width, num_kv_heads, share, head_dim).transpose(1, 2)  # [G,Hkv,Q,g,D]
     out = q.new_empty(batch, width, num_kv_heads, share, head_dim)
-    for s in range(0, width, QUERY_TILE):  # tiles only bound the float32 scores' memory
+    for s in range(0, width, QUERY_TILE):  # tiles bound the float32 scores' memory...
         t = min(QUERY_TILE, width - s)
+        # ...and skip the keys no query of the tile sees (a prompt chunk's later keys).
+        n = min(context, -(-(group.max_start + s + t) // KEY_ALIGN) * KEY_ALIGN)
         rows = heads[:, :, s : s + t].reshape(batch * num_kv_heads, t * share, head_dim)
-        scores = torch.bmm(rows, keys.transpose(1, 2)).float()  # [G * Hkv, t * g, C]
-        scores = scores.view(batch, num_kv_heads, t, share, context).mul_(scale)
-        scores.add_(group.bias[:, :, s : s + t, None])  # [G, 1, t, 1, C] broadcast
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        probs = probs.view(batch * num_kv_heads, t * share, context)
-        mixed = torch.bmm(values.transpose(1, 2), probs.transpose(1, 2))  # [G * Hkv, D, t * g]
+        raw = torch.bmm(rows, keys[:, :n].transpose(1, 2))  # [G * Hkv, t * g, n]
+        # bias + scale * scores in one float32 pass; [G, 1, t, 1, n] broadcast
+        bias = group.bias[:, :, s : s + t, None, :n]
+        scores = torch.add(bias, raw.view(batch, num_kv_heads, t, share, n), alpha=scale)
+        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(batch * num_kv_heads, t * share, n)
+        mixed = torch.bmm(values[:, :n].transpose(1, 2), probs.transpose(1, 2))  # [G*Hkv, D, t*g]
         mixed = mixed.view(batch, num_kv_heads, head_dim, t, share).permute(0, 3, 1, 4, 2)
         out[:, s : s + t] = mixed  # [G, t, Hkv, g, D]
     return out.view(batch, width, num_heads, head_dim)

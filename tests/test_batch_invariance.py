@@ -54,20 +54,20 @@ def attend(parts: list[tuple[Sequence, int, int]], caches, invariant: bool = Tru
 @pytest.mark.parametrize("heads", [(9, 3, 64), (4, 2, 16), (4, 4, 32)])
 def test_attention_rows_do_not_depend_on_the_batch(heads) -> None:  # noqa: ANN001
     torch.manual_seed(0)
-    caches = [torch.zeros(64, BLOCK, heads[1], heads[2], dtype=torch.bfloat16) for _ in range(2)]
-    seq = Sequence(70, 0, heads)
-    others = [Sequence(n, 20 + 12 * i, heads) for i, n in enumerate((9, 41, 23))]
+    caches = [torch.zeros(128, BLOCK, heads[1], heads[2], dtype=torch.bfloat16) for _ in range(2)]
+    seq = Sequence(300, 0, heads)  # more than one query tile (attention.QUERY_TILE)
+    others = [Sequence(n, 80 + 12 * i, heads) for i, n in enumerate((9, 41, 23))]
     for other in others:  # their earlier positions are in the cache
         attend([(other, 0, len(other.q))], caches)
-    attend([(seq, 0, 70)], caches)
-    decoded = torch.cat([attend([(seq, p, p + 1)], caches)[0] for p in range(70)])
+    attend([(seq, 0, 300)], caches)
+    decoded = torch.cat([attend([(seq, p, p + 1)], caches)[0] for p in range(300)])
     ways = {
-        "prefill": [(seq, 0, 70)],
-        "prefill chunk": [(seq, 13, 50)],
-        "verify 9 with others": [(others[0], 8, 9), (seq, 61, 70), (others[1], 30, 35)],
+        "prefill": [(seq, 0, 300)],
+        "prefill chunk": [(seq, 13, 250)],
+        "verify 9 with others": [(others[0], 8, 9), (seq, 291, 300), (others[1], 30, 35)],
         "verify 17": [(seq, 53, 70)],
-        "batched decodes": [(others[2], 22, 23), (seq, 69, 70), (others[1], 40, 41)],
-        "chunk beside decodes": [(others[0], 8, 9), (seq, 20, 60), (others[2], 22, 23)],
+        "batched decodes": [(others[2], 22, 23), (seq, 269, 270), (others[1], 40, 41)],
+        "chunk beside decodes": [(others[0], 8, 9), (seq, 20, 160), (others[2], 22, 23)],
     }
     for name, parts in ways.items():
         outs = attend(parts, caches)
