@@ -168,16 +168,21 @@ def concurrent(systems: dict[str, Any], quick: bool) -> dict[str, float]:
     times = dict.fromkeys(names, 0.0)
     for name in names:
         systems[name].generate(prompts[:2], params[:2])  # warm up
+    outputs: dict[str, list[list[int]]] = {}
     for name in (*names, *reversed(names)):  # A B B A: drift in machine load hits both alike
         start = time.perf_counter()
-        systems[name].generate(prompts, params)
+        done = systems[name].generate(prompts, params)
         times[name] += time.perf_counter() - start
+        outputs.setdefault(name, [o.token_ids for o in done])
     useful = sum(p.max_tokens for p in params)
     return {
         "num_requests": len(prompts),
         "specdec_tok_s": 2 * useful / times["specdec"],
         "prompt_lookup_tok_s": 2 * useful / times["specdec+prompt_lookup"],
         "prompt_lookup_vs_specdec": times["specdec"] / times["specdec+prompt_lookup"],
+        "identical_outputs": sum(
+            a == b for a, b in zip(outputs["specdec"], outputs["specdec+prompt_lookup"])
+        ),
     }
 
 
@@ -222,7 +227,8 @@ def markdown(result: dict[str, Any]) -> str:
     lines.append(
         f"\n{c['num_requests']} concurrent requests: prompt lookup "
         f"{c['prompt_lookup_tok_s']:.1f} tok/s vs {c['specdec_tok_s']:.1f} without "
-        f"({c['prompt_lookup_vs_specdec']:.2f}x)."
+        f"({c['prompt_lookup_vs_specdec']:.2f}x); outputs identical to plain: "
+        f"{c['identical_outputs']}/{c['num_requests']}."
     )
     return f"dtype {result['dtype']}, tokens/s (ratio to specdec without speculation)\n\n" + (
         "\n".join(lines) + "\n"
