@@ -21,8 +21,8 @@ that does not depend on the batch. Here that holds because
 
 * the attention matmuls have shapes whose per-element reduction oneDNN's bf16 GEMM keeps fixed
   for any number of queries (see :func:`_attend_invariant`), and keys padded by the mask add
-  exact zeros; the model's linears, whose kernel changes above :data:`INVARIANT_TILE_ROWS` rows,
-  take their input in tiles of at most that many (:class:`specdec.models.linear.PackedLinear`);
+  exact zeros; the model's linears, whose kernel changes above 32 rows, take their input in
+  tiles of at most that many (:class:`specdec.models.linear.PackedLinear`);
 * there is no fresh path: every sequence reads its keys back from the cache, and a prompt chunk
   wider than :data:`NARROW_QUERY` queries is a group of its own (no padding to its width);
 * scores are scaled, masked and normalised in float32, one row at a time.
@@ -41,9 +41,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-INVARIANT_TILE_ROWS = 32  # most rows per bf16 linear call for which every row's bits are fixed
 NARROW_QUERY = 17  # queries of a decode or a verification of up to 16 drafts: padded together
-KEY_ALIGN = 64  # invariant mode pads key counts to a multiple of this (few GEMM shapes)
+# Invariant mode pads key counts to a multiple of this: few GEMM shapes, and every float32 pass
+# over a score row runs whole vector blocks (no scalar tail, whose rounding could differ).
+KEY_ALIGN = 64
 QUERY_TILE = 128  # invariant mode: query positions per score matrix (bounds its memory)
 
 
@@ -132,7 +133,7 @@ class AttentionMetadata:
             starts.append(starts[-1] + n)
         seqs = range(len(query_lens))
         fresh = [] if invariant else [i for i in seqs if query_lens[i] == context_lens[i]]
-        cached = [i for i in seqs if i not in set(fresh)]
+        cached = [i for i in seqs if invariant or query_lens[i] != context_lens[i]]
         if invariant:  # a wide query (a prompt chunk) alone, so nothing is padded to its width
             narrow = [i for i in cached if query_lens[i] <= NARROW_QUERY]
             parts = [narrow] if narrow else []

@@ -13,7 +13,7 @@ from torch import nn
 
 from specdec import LLM
 from specdec.attention import AttentionMetadata, paged_attention
-from specdec.models.linear import PackedLinear, can_prepack
+from specdec.models.linear import INVARIANT_TILE_ROWS, PackedLinear, can_prepack
 from specdec.models.llama import LlamaForCausalLM
 from specdec.runner import ModelRunner, QueryChunk
 from tests.tiny import byte_tokenizer, tiny_model
@@ -78,7 +78,7 @@ def test_attention_rows_do_not_depend_on_the_batch(heads) -> None:  # noqa: ANN0
 @needs_onednn
 def test_packed_linear_rows_do_not_depend_on_the_row_count() -> None:
     torch.manual_seed(0)
-    linear = PackedLinear(nn.Linear(576, 960).to(torch.bfloat16), max_rows=32)
+    linear = PackedLinear(nn.Linear(576, 960).to(torch.bfloat16), max_rows=INVARIANT_TILE_ROWS)
     x = torch.randn(100, 576).to(torch.bfloat16)
     with torch.inference_mode():
         one_by_one = torch.cat([linear(x[i : i + 1]) for i in range(100)])

@@ -94,6 +94,8 @@ def test_cli_reports_bad_input_cleanly(tmp_path):
     assert result.exit_code != 0 and "Error:" in result.output and "nope" in result.output
     result = CliRunner().invoke(main, ["generate", "--max-tokens", "0", "hi"])
     assert result.exit_code != 0 and "max_tokens must be at least 1" in result.output
+    result = CliRunner().invoke(main, ["generate", "--batch-invariant", "hi"])  # float32
+    assert result.exit_code != 0 and "batch-invariant kernels need bfloat16" in result.output
 
 
 def test_bf16_speculation_is_exact(hf_model):

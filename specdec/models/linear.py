@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdec.attention import INVARIANT_TILE_ROWS
+INVARIANT_TILE_ROWS = 32  # most rows per bf16 oneDNN call for which every row's bits are fixed
 
 
 def can_prepack(dtype: torch.dtype) -> bool:
