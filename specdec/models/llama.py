@@ -13,11 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from specdec.attention import AttentionMetadata, paged_attention
+from specdec.kernels import cpu_ops
 from specdec.models.linear import can_prepack, prepack_linears
 
 FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}  # config.model_type
@@ -63,13 +63,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # the fused kernel computes exactly the formula below
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Normalise in float32 and scale in the model dtype, as transformers does.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``norm(x)``; with ``residual``, first ``residual += x`` in place and norm the sum."""
+        if residual is None:
+            return cpu_ops.rms_norm(x, self.weight, self.eps)
+        return cpu_ops.add_rms_norm_(residual, x, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -110,19 +108,10 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         """cos and sin at ``positions``, looked up once per forward and shared by all layers."""
-        cos = self.cos[positions].to(dtype).unsqueeze(1)  # [N, 1, D]
-        sin = self.sin[positions].to(dtype).unsqueeze(1)  # [N, 1, D]
-        return cos, sin
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)  # [N, D] each
 
 
-Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [N, 1, D] each
-
-
-def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:  # [N, H, D] -> [N, H, D]
-    cos, sin = rope
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # rotate_half, as transformers
-    return x * cos + rotated * sin
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [N, D] each, in the model's dtype
 
 
 class Attention(nn.Module):
@@ -149,12 +138,13 @@ class Attention(nn.Module):
         rope: Rope,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        n, qk_size = x.shape[0], self.q_size + self.kv_size
+        n = x.shape[0]
         qkv = self.qkv_proj.forward(x)  # [N, (Hq + 2 Hkv) D]
-        # Rotate queries and keys in one pass: [N, Hq + Hkv, D], then split by head.
-        qk = apply_rope(qkv[:, :qk_size].view(n, -1, self.head_dim), rope)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, qk_size:].view(n, self.num_kv_heads, self.head_dim)
+        # Rotate queries and keys in place, in one pass, then split by head.
+        cpu_ops.rope_(qkv, *rope, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.view(n, -1, self.head_dim).split(
+            [self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1
+        )
         out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj.forward(out.reshape(n, self.q_size))
 
@@ -166,8 +156,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
-        return self.down_proj.forward(F.silu(gate) * up)
+        return self.down_proj.forward(cpu_ops.silu_mul(self.gate_up_proj.forward(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -180,13 +169,25 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [N, hidden]
+        x: torch.Tensor,  # [N, hidden]: the last layer's output (the embeddings for the first)
+        residual: torch.Tensor | None,  # [N, hidden]: the residual stream before x is added
         rope: Rope,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        # Direct .forward calls: nn.Module.__call__ costs more than a small decode op here.
-        x = x + self.self_attn.forward(self.input_layernorm.forward(x), rope, meta)
-        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return this layer's output and the residual stream it was computed from.
+
+        The residual add is fused into the RMSNorm after it, as vLLM does, so a layer makes one
+        call where it would make two; the stream is updated in place. Direct ``.forward`` calls:
+        ``nn.Module.__call__`` costs more than a small decode op here.
+        """
+        if residual is None:
+            residual = x
+            h = self.input_layernorm.forward(x)
+        else:
+            h = self.input_layernorm.forward(x, residual)
+        h = self.self_attn.forward(h, rope, meta)
+        h = self.post_attention_layernorm.forward(h, residual)
+        return self.mlp.forward(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -211,11 +212,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:  # [N, hidden]
-        x = self.embed_tokens(input_ids)  # [N, hidden]
+        x = self.embed_tokens(input_ids)  # [N, hidden], a fresh tensor: the residual stream
         rope = self.rope(positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer.forward(x, rope, meta)
-        return self.norm(x)
+            x, residual = layer.forward(x, residual, rope, meta)
+        return self.norm.forward(x, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, hidden] -> [M, V]
         return self.lm_head(hidden)

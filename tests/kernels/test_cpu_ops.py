@@ -1,0 +1,161 @@
+"""The fused CPU kernels against their torch references, row by row, and their fallback."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from specdec.kernels import cpu_ops
+from specdec.models.llama import LlamaForCausalLM
+from specdec.runner import ModelRunner, QueryChunk
+from tests.tiny import tiny_model
+
+switched_off = os.environ.get("SPECDEC_CPU_KERNELS", "1") == "0"
+needs_kernels = pytest.mark.skipif(switched_off, reason="SPECDEC_CPU_KERNELS=0")
+SHAPES = [(1, 576), (7, 64), (100, 40)]  # 40: a row that is no whole number of 16-lane blocks
+
+
+def ext():  # noqa: ANN201
+    module = cpu_ops.extension()
+    assert module is not None, "the fused CPU kernels did not build"
+    return module
+
+
+def same(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    """Within one ulp of the reference: its sum and exp run in another order (see cpu_ops)."""
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-22
+    torch.testing.assert_close(a, b, rtol=ulp, atol=ulp)
+
+
+def by_rows(fn, *tensors: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+    """``fn`` applied to each row alone, concatenated."""
+    return torch.cat([fn(*(t[i : i + 1] for t in tensors)) for i in range(tensors[0].shape[0])])
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rms_norm(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    torch.manual_seed(0)
+    x = (3 * torch.randn(shape)).to(dtype)
+    w = torch.randn(shape[1]).to(dtype)
+    out = ext().rms_norm(x, w, 1e-5)
+    same(out, cpu_ops.rms_norm_reference(x, w, 1e-5), dtype)
+    assert torch.equal(out, by_rows(lambda r: ext().rms_norm(r, w, 1e-5), x))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_add_rms_norm_updates_the_residual_in_place(
+    dtype: torch.dtype, shape: tuple[int, int]
+) -> None:
+    torch.manual_seed(1)
+    residual, x = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
+    w = torch.randn(shape[1]).to(dtype)
+    expected_residual = residual.clone()
+    expected = cpu_ops.add_rms_norm_reference(expected_residual, x, w, 1e-6)
+    stream = residual.clone()
+    out = ext().add_rms_norm_(stream, x, w, 1e-6)
+    assert torch.equal(stream, expected_residual)  # one rounding of the sum, as torch's add
+    same(out, expected, dtype)
+    rows = by_rows(lambda r, xr: ext().add_rms_norm_(r.clone(), xr, w, 1e-6), residual, x)
+    assert torch.equal(out, rows)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,size", [(1, 1536), (9, 64), (33, 24)])
+def test_silu_mul(dtype: torch.dtype, rows: int, size: int) -> None:
+    torch.manual_seed(2)
+    gate_up = (4 * torch.randn(rows, 2 * size)).to(dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp overflow and underflow
+    out = ext().silu_mul(gate_up)
+    same(out, cpu_ops.silu_mul_reference(gate_up), dtype)
+    assert torch.equal(out, by_rows(ext().silu_mul, gate_up))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 16)])
+def test_rope_rotates_q_and_k_in_place(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    torch.manual_seed(3)
+    rows, rotated_heads = 11, heads + kv_heads
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    angles = torch.rand(rows, head_dim // 2) * 6
+    cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, -1).to(dtype)
+    expected = qkv.clone()
+    cpu_ops.rope_reference(expected, cos, sin, rotated_heads, head_dim)
+    out = qkv.clone()
+    ext().rope_(out, cos, sin, rotated_heads, head_dim)
+    assert not torch.equal(out, qkv)
+    assert torch.equal(out[:, rotated_heads * head_dim :], qkv[:, rotated_heads * head_dim :])
+    # the rotation's two products and sum round exactly as torch's three ops: equal in both dtypes
+    assert torch.equal(out, expected)
+
+
+@needs_kernels
+def test_kernels_reject_bad_arguments() -> None:
+    x = torch.randn(2, 8)
+    with pytest.raises(RuntimeError, match="one entry per feature"):
+        ext().rms_norm(x, torch.ones(7), 1e-5)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ext().silu_mul(torch.randn(2, 8, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="heads do not fit"):
+        ext().rope_(x, torch.ones(2, 4), torch.ones(2, 4), 3, 4)
+
+
+def test_ops_fall_back_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Other dtypes and devices, and a machine without the kernels, run the references."""
+    x = torch.randn(3, 16, dtype=torch.float64)
+    w = torch.randn(16, dtype=torch.float64)
+    assert torch.equal(cpu_ops.rms_norm(x, w, 1e-5), cpu_ops.rms_norm_reference(x, w, 1e-5))
+    monkeypatch.setattr(cpu_ops, "extension", lambda: None)
+    x32, w32 = x.float(), w.float()
+    assert torch.equal(cpu_ops.rms_norm(x32, w32, 1e-5), cpu_ops.rms_norm_reference(x32, w32, 1e-5))
+    gate_up = torch.randn(2, 8)
+    assert torch.equal(cpu_ops.silu_mul(gate_up), cpu_ops.silu_mul_reference(gate_up))
+
+
+def test_a_failed_build_warns_and_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken() -> None:
+        raise OSError("no C++ compiler")
+
+    monkeypatch.setattr(cpu_ops, "_build", broken)
+    monkeypatch.setenv("SPECDEC_CPU_KERNELS", "1")
+    cpu_ops.extension.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
+            assert cpu_ops.extension() is None
+        monkeypatch.setenv("SPECDEC_CPU_KERNELS", "0")
+        cpu_ops.extension.cache_clear()
+        assert cpu_ops.extension() is None and not cpu_ops.enabled()
+    finally:
+        cpu_ops.extension.cache_clear()  # the next test builds (loads) the real one again
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_model_logits_match_the_torch_path(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny model's prefill and decode logits with the kernels and with torch's ops."""
+    hf = tiny_model(arch)
+    model = LlamaForCausalLM.from_hf(hf.config, hf.state_dict(), 256)
+    runner = ModelRunner(model, 32, 4, torch.float32)
+    prompt = torch.randint(0, 256, (21,)).tolist()
+    table = list(range(8))
+
+    def run() -> torch.Tensor:
+        prefill = runner.forward([QueryChunk(prompt[:20], 0, table, 20)])[0]
+        decode = runner.forward([QueryChunk(prompt[20:], 20, table, 1)])[0]
+        return torch.cat([prefill, decode])
+
+    fused = run()
+    monkeypatch.setattr(cpu_ops, "extension", lambda: None)
+    torch.testing.assert_close(fused, run(), rtol=1e-5, atol=1e-5)
+    expected = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(fused, expected, rtol=1e-4, atol=1e-4)
