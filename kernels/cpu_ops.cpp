@@ -14,8 +14,10 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -123,6 +125,86 @@ void rope_rows(T* x, const T* cos, const T* sin, int64_t rows, int64_t row_strid
   });
 }
 
+// Attention of a padded group of sequences to keys read from the paged cache by slot.
+// For sequence g, query j (of q_len[g]) sits at position c_len[g] - q_len[g] + j and sees the
+// keys at positions 0 .. that position. Each (sequence, KV head, query) is one work item; the
+// `share` query heads of a KV head read each key once. Scores, softmax and the weighted sum of
+// values are float32, in key order, the same for any number of queries or sequences.
+template <typename T>
+void cached_attention_rows(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache,
+                           const int64_t* query_index, const int64_t* key_slots,
+                           const int64_t* q_len, const int64_t* c_len, T* out, int64_t groups,
+                           int64_t width, int64_t context, int64_t kv_heads, int64_t share,
+                           int64_t head_dim, float scale) {
+  const int64_t items = groups * kv_heads * width;
+  const int64_t slot_stride = kv_heads * head_dim;
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(share * context);
+    std::vector<float> query(share * head_dim), acc(share * head_dim);
+    for (int64_t item = begin; item < end; item++) {
+      const int64_t j = item % width, h = (item / width) % kv_heads, g = item / (width * kv_heads);
+      T* o = out + ((g * width + j) * kv_heads + h) * share * head_dim;
+      if (j >= q_len[g]) {  // padding: zeros, never read
+        for (int64_t i = 0; i < share * head_dim; i++) o[i] = static_cast<T>(0.0f);
+        continue;
+      }
+      const int64_t visible = c_len[g] - q_len[g] + j + 1;
+      const T* qr = q + query_index[g * width + j] * q_row_stride + h * share * head_dim;
+      for (int64_t i = 0; i < share * head_dim; i++) query[i] = load(qr, i);
+      const int64_t* slots = key_slots + g * context;
+      for (int64_t c = 0; c < visible; c++) {
+        const T* key = k_cache + slots[c] * slot_stride + h * head_dim;
+        for (int64_t s = 0; s < share; s++) {
+          const float* qs = query.data() + s * head_dim;
+          float dot[kLanes] = {0};
+          int64_t d = 0;
+          for (; d + kLanes <= head_dim; d += kLanes) {
+#pragma omp simd
+            for (int l = 0; l < kLanes; l++) dot[l] += qs[d + l] * load(key, d + l);
+          }
+          float sum = 0.0f;
+          for (int l = 0; l < kLanes; l++) sum += dot[l];
+          for (; d < head_dim; d++) sum += qs[d] * load(key, d);
+          scores[s * context + c] = sum * scale;
+        }
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t s = 0; s < share; s++) {
+        float* sc = scores.data() + s * context;
+        float top = sc[0];
+        for (int64_t c = 1; c < visible; c++) top = std::max(top, sc[c]);
+        float total = 0.0f;
+        for (int64_t c = 0; c < visible; c++) {
+          sc[c] = std::exp(sc[c] - top);
+          total += sc[c];
+        }
+        const float inv = 1.0f / total;
+        for (int64_t c = 0; c < visible; c++) sc[c] *= inv;
+      }
+      for (int64_t c = 0; c < visible; c++) {
+        const T* value = v_cache + slots[c] * slot_stride + h * head_dim;
+        for (int64_t s = 0; s < share; s++) {
+          const float p = scores[s * context + c];
+          float* a = acc.data() + s * head_dim;
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; d++) a[d] += p * load(value, d);
+        }
+      }
+      for (int64_t i = 0; i < share * head_dim; i++) o[i] = static_cast<T>(acc[i]);
+    }
+  });
+}
+
+// Write each token's key and value rows into the cache at its slot.
+template <typename T>
+void write_kv_rows(const T* k, const T* v, int64_t k_stride, int64_t v_stride, T* k_cache,
+                   T* v_cache, const int64_t* slots, int64_t tokens, int64_t row) {
+  for (int64_t t = 0; t < tokens; t++) {
+    std::copy(k + t * k_stride, k + t * k_stride + row, k_cache + slots[t] * row);
+    std::copy(v + t * v_stride, v + t * v_stride + row, v_cache + slots[t] * row);
+  }
+}
+
 void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
   TORCH_CHECK(t.dim() == 2, name, " must be 2-D [rows, features]");
@@ -193,6 +275,73 @@ void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
   });
 }
 
+void write_kv_(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache,
+               torch::Tensor& v_cache, const torch::Tensor& slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "k and v must be [tokens, kv_heads, dim]");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 &&
+                  v.stride(1) == v.size(2),
+              "each token's k and v heads must be contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes(),
+              "the caches must be contiguous and alike");
+  TORCH_CHECK(k_cache.scalar_type() == k.scalar_type() && v.scalar_type() == k.scalar_type(),
+              "k, v and the caches must share a dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == k.size(0),
+              "slot_mapping must be int64 with one slot per token");
+  const int64_t row = k.size(1) * k.size(2);
+  TORCH_CHECK(k_cache.numel() % row == 0 && k_cache.size(-1) * k_cache.size(-2) == row,
+              "cache rows must hold kv_heads * dim values");
+  const int64_t slots = k_cache.numel() / row;
+  const int64_t* sm = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < k.size(0); t++)
+    TORCH_CHECK(sm[t] >= 0 && sm[t] < slots, "slot ", sm[t], " is outside the cache");
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, k.scalar_type(), "write_kv_", [&] {
+    write_kv_rows(k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), k.stride(0), v.stride(0),
+                  k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), sm, k.size(0), row);
+  });
+}
+
+torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                               const torch::Tensor& v_cache, const torch::Tensor& query_index,
+                               const torch::Tensor& key_slots, const torch::Tensor& q_len,
+                               const torch::Tensor& c_len, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q must be [tokens, heads, dim] with contiguous heads");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes(),
+              "the caches must be contiguous [blocks, block_size, kv_heads, dim]");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "q and the caches must share a dtype");
+  for (const auto* t : {&query_index, &key_slots, &q_len, &c_len})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "indices must be int64");
+  const int64_t heads = q.size(1), head_dim = q.size(2), kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == head_dim && heads % kv_heads == 0, "head shapes do not match");
+  const int64_t groups = query_index.size(0), width = query_index.size(1);
+  const int64_t context = key_slots.size(1);
+  TORCH_CHECK(key_slots.size(0) == groups && q_len.numel() == groups && c_len.numel() == groups,
+              "one row of indices per sequence");
+  const int64_t slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t *ql = q_len.data_ptr<int64_t>(), *cl = c_len.data_ptr<int64_t>();
+  const int64_t *qi = query_index.data_ptr<int64_t>(), *ks = key_slots.data_ptr<int64_t>();
+  for (int64_t g = 0; g < groups; g++) {
+    TORCH_CHECK(ql[g] >= 1 && ql[g] <= width && cl[g] >= ql[g] && cl[g] <= context,
+                "sequence ", g, " has bad query or context lengths");
+    for (int64_t j = 0; j < ql[g]; j++)
+      TORCH_CHECK(qi[g * width + j] >= 0 && qi[g * width + j] < q.size(0), "bad query index");
+    for (int64_t c = 0; c < cl[g]; c++)
+      TORCH_CHECK(ks[g * context + c] >= 0 && ks[g * context + c] < slots, "bad key slot");
+  }
+  auto out = torch::empty({groups, width, heads, head_dim}, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "cached_attention", [&] {
+    cached_attention_rows(q.data_ptr<scalar_t>(), q.stride(0), k_cache.data_ptr<scalar_t>(),
+                          v_cache.data_ptr<scalar_t>(), qi, ks, ql, cl,
+                          out.data_ptr<scalar_t>(), groups, width, context, kv_heads,
+                          heads / kv_heads, head_dim, static_cast<float>(scale));
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -200,4 +349,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place; weight * RMSNorm(residual)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up for rows [gate | up]");
   m.def("rope_", &rope_, "rotate the first `heads` heads of each row in place");
+  m.def("write_kv_", &write_kv_, "store each token's k and v rows at its cache slot");
+  m.def("cached_attention", &cached_attention, "a padded group's attention to cached keys");
 }

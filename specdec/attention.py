@@ -9,7 +9,10 @@ split into groups so that little work is wasted on padding:
 * *fresh* sequences, whose whole context is computed this step (a prompt with no cached prefix),
   attend causally to their own new K/V and never read the cache;
 * the others (decodes, draft verification, later prefill chunks, prefix-cache hits) are padded
-  to one batch and attend to K/V gathered from the cache through their block tables.
+  to one batch and attend to K/V gathered from the cache through their block tables. On the CPU
+  a batch of at most :data:`NARROW_QUERY` queries per sequence (decodes and verifications) runs
+  as one fused C++ call that reads keys by slot (``kernels/cpu_ops.cpp``), whose output rows do
+  not depend on the batch either; wider batches use torch's SDPA on gathered K/V.
 
 **Batch-invariant mode** (``invariant=True``, the default for bfloat16): a query row's output is
 bitwise the same whatever else the step holds: how many drafts its sequence verifies, which other
@@ -41,6 +44,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specdec.kernels import cpu_ops
+
 NARROW_QUERY = 17  # queries of a decode or a verification of up to 16 drafts: padded together
 # Invariant mode pads key counts to a multiple of this: few GEMM shapes, and every float32 pass
 # over a score row runs whole vector blocks (no scalar tail, whose rounding could differ).
@@ -58,6 +63,8 @@ class QueryGroup:
     bias: torch.Tensor | None  # invariant mode: the mask as float32 0 / -inf, [G, 1, Q, C]
     valid_index: torch.Tensor  # [M] flat token index of each real query
     valid_rows: torch.Tensor  # [M] its row in the flattened [G * Q] group
+    query_lens: torch.Tensor  # [G] queries of each sequence
+    context_lens: torch.Tensor  # [G] keys of each sequence (its last query sees them all)
     max_start: int = 0  # largest position of a first query: query j sees < max_start + j + 1
     head_rows: torch.Tensor | None = None  # invariant mode: [G * Hkv * C] cache row per key
 
@@ -105,6 +112,8 @@ class QueryGroup:
             bias,
             query_index.flatten()[valid_rows],
             valid_rows,
+            q_len,
+            c_len,
             int((c_len - q_len).max()),
         )
 
@@ -178,21 +187,38 @@ def paged_attention(
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-    k_flat[meta.slot_mapping] = k
-    v_flat[meta.slot_mapping] = v
-    attend, gather = (_attend_invariant, _gather_heads) if meta.invariant else (_attend, _gather)
-    if meta.dense:  # decodes and verification only: no gather of queries, no scatter of outputs
-        group = meta.groups[0]
-        q_dense = q.view(*group.query_index.shape, *q.shape[1:])  # [G, Q, Hq, D]
-        o_dense = attend(q_dense, gather(k_flat, group), gather(v_flat, group), group, scale)
-        return o_dense.reshape(q.shape)
+    kernels = cpu_ops.extension_for(q)
+    if kernels is not None:
+        kernels.write_kv_(k, v, k_cache, v_cache, meta.slot_mapping)
+    else:
+        k_flat[meta.slot_mapping] = k
+        v_flat[meta.slot_mapping] = v
+
+    def attend(group: QueryGroup) -> torch.Tensor:  # [G, Q, Hq, D]
+        if (
+            kernels is not None
+            and not meta.invariant
+            and group.query_index.shape[1] <= NARROW_QUERY
+        ):
+            # decodes and verifications: one call reads the keys by slot, no gathered copies
+            return kernels.cached_attention(
+                q, k_cache, v_cache, group.query_index, group.key_slots,
+                group.query_lens, group.context_lens, scale,
+            )  # fmt: skip
+        shape = (*group.query_index.shape, *q.shape[1:])
+        queries = q.view(shape) if meta.dense else q[group.query_index]
+        if meta.invariant:
+            keys, values = _gather_heads(k_flat, group), _gather_heads(v_flat, group)
+            return _attend_invariant(queries, keys, values, group, scale)
+        return _attend(queries, _gather(k_flat, group), _gather(v_flat, group), group, scale)
+
+    if meta.dense:  # decodes and verification only: no scatter of outputs
+        return attend(meta.groups[0]).reshape(q.shape)
     out = torch.empty_like(q)
     for start, end in meta.fresh_ranges:
         out[start:end] = _attend_causal(q[start:end], k[start:end], v[start:end], scale)
     for group in meta.groups:
-        qg = q[group.query_index]  # [G, Q, Hq, D]
-        og = attend(qg, gather(k_flat, group), gather(v_flat, group), group, scale)
-        out[group.valid_index] = og.flatten(0, 1)[group.valid_rows]
+        out[group.valid_index] = attend(group).flatten(0, 1)[group.valid_rows]
     return out
 
 

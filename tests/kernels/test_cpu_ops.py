@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from specdec.attention import AttentionMetadata, paged_attention
 from specdec.kernels import cpu_ops
 from specdec.models.llama import LlamaForCausalLM
 from specdec.runner import ModelRunner, QueryChunk
@@ -159,3 +160,69 @@ def test_model_logits_match_the_torch_path(arch: str, monkeypatch: pytest.Monkey
     torch.testing.assert_close(fused, run(), rtol=1e-5, atol=1e-5)
     expected = hf(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(fused, expected, rtol=1e-4, atol=1e-4)
+
+
+def paged_step(parts, caches, heads):  # noqa: ANN001, ANN201
+    """``paged_attention`` over ``parts``: (q, k, v, table, start, end) per sequence."""
+    q = torch.cat([p[0][p[4] : p[5]] for p in parts])
+    k = torch.cat([p[1][p[4] : p[5]] for p in parts])
+    v = torch.cat([p[2][p[4] : p[5]] for p in parts])
+    slots = [t[i // 4] * 4 + i % 4 for _, _, _, t, a, b in parts for i in range(a, b)]
+    meta = AttentionMetadata.build(
+        [b - a for *_, a, b in parts], [b for *_, b in parts], [p[3] for p in parts],
+        torch.tensor(slots), 4,
+    )  # fmt: skip
+    return paged_attention(q, k, v, *caches, meta, 0.125)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 16)])
+def test_cached_attention_matches_sdpa_and_is_row_invariant(
+    dtype: torch.dtype, heads: tuple[int, int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(4)
+    num_heads, num_kv_heads, head_dim = heads
+    seqs = []
+    for i, n in enumerate((40, 13, 70)):
+        q, k, v = (torch.randn(n, h, head_dim).to(dtype) for h in heads[:2] + heads[1:2])
+        seqs.append((q, k, v, list(range(20 * i, 20 * i + 18))))
+    caches = [torch.zeros(64, 4, num_kv_heads, head_dim, dtype=dtype) for _ in range(2)]
+    for q, k, v, table in seqs:  # prompts computed whole (torch's SDPA): K/V into the cache
+        paged_step([(q, k, v, table, 0, len(q) - 9)], caches, heads)
+    a, b, c = seqs
+    steps = {  # decodes, verifications and a later prompt chunk beside them
+        "decodes": [(*a, 31, 32), (*b, 4, 5), (*c, 61, 62)],
+        "verify beside decode": [(*a, 31, 40), (*b, 4, 5)],
+        "chunk beside verify": [(*c, 20, 61), (*a, 31, 36)],
+    }
+    for name, parts in steps.items():
+        fused = paged_step(parts, caches, heads)
+        with monkeypatch.context() as m:
+            m.setattr(cpu_ops, "extension_for", lambda t: None)
+            reference = paged_step(parts, caches, heads)
+        tol = 2.0**-7 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(fused, reference, rtol=tol, atol=tol, msg=name)
+    # a query's output is the same alone and among others (sequence a at position 31)
+    alone = paged_step([(*a, 31, 32)], caches, heads)
+    assert torch.equal(alone, paged_step(steps["decodes"], caches, heads)[:1])
+    assert torch.equal(alone, paged_step(steps["verify beside decode"], caches, heads)[:1])
+
+
+@needs_kernels
+def test_cached_attention_rejects_bad_indices() -> None:
+    q = torch.randn(2, 4, 16)
+    cache = torch.zeros(8, 4, 2, 16)
+    index, slots = torch.tensor([[0, 1]]), torch.tensor([[0, 1, 2]])
+    ok = ext().cached_attention(q, cache, cache, index, slots, torch.tensor([2]),
+                                torch.tensor([3]), 0.25)  # fmt: skip
+    assert ok.shape == (1, 2, 4, 16)
+    with pytest.raises(RuntimeError, match="bad key slot"):
+        ext().cached_attention(q, cache, cache, index, torch.tensor([[0, 1, 99]]),
+                               torch.tensor([2]), torch.tensor([3]), 0.25)  # fmt: skip
+    with pytest.raises(RuntimeError, match="bad query or context lengths"):
+        ext().cached_attention(q, cache, cache, index, slots, torch.tensor([2]),
+                               torch.tensor([1]), 0.25)  # fmt: skip
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        k = torch.randn(1, 2, 16)
+        ext().write_kv_(k, k, cache, cache.clone(), torch.tensor([32]))
