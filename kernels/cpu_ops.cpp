@@ -36,6 +36,29 @@ inline float round_to(float x) {
 
 constexpr int kLanes = 16;  // float32 lanes of one AVX-512 register; fixes the summation order
 
+// e^x for float32, in straight-line arithmetic that vectorises (glibc's expf does not): x =
+// n ln2 + r with |r| <= ln2 / 2 (ln2 split in two for an exact n ln2), e^r by its degree-7
+// Taylor polynomial (error below 1e-8, so within an ulp), times 2^n built in the exponent bits.
+// Below -87.3 it gives 0 and above 88 infinity (expf underflows and overflows a little further).
+inline float exp_approx(float x) {
+  const float clamped = std::min(std::max(x, -87.3f), 88.0f);
+  const float n = std::nearbyint(clamped * 1.44269504088896341f);
+  const float r = (clamped - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  __builtin_memcpy(&two_n, &bits, sizeof(two_n));
+  const float y = p * two_n;
+  return x < -87.3f ? 0.0f : (x > 88.0f ? __builtin_inff() : y);
+}
+
 // Sum of squares of one row, in float32: 16 running sums over the row, then added in order.
 template <typename T>
 inline float sum_of_squares(const T* x, int64_t n) {
@@ -94,7 +117,7 @@ void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t n) {
 #pragma omp simd
       for (int64_t i = 0; i < n; i++) {
         const float g = load(gate, i);
-        o[i] = static_cast<T>(round_to<T>(g / (1.0f + std::exp(-g))) * load(up, i));
+        o[i] = static_cast<T>(round_to<T>(g / (1.0f + exp_approx(-g))) * load(up, i));
       }
     }
   });
@@ -126,71 +149,102 @@ void rope_rows(T* x, const T* cos, const T* sin, int64_t rows, int64_t row_strid
 }
 
 // Attention of a padded group of sequences to keys read from the paged cache by slot.
+//
 // For sequence g, query j (of q_len[g]) sits at position c_len[g] - q_len[g] + j and sees the
-// keys at positions 0 .. that position. Each (sequence, KV head, query) is one work item; the
-// `share` query heads of a KV head read each key once. Scores, softmax and the weighted sum of
-// values are float32, in key order, the same for any number of queries or sequences.
+// keys at positions 0 .. that position. A work item is one sequence, one KV head and a tile of
+// up to kQueryTile of its queries, with the `share` query heads of that KV head: kShare * tile
+// score rows. Keys are taken kLanes at a time and transposed into a small buffer, so that one
+// vector holds the scores of kLanes keys and each score is a plain sum over the head dimension,
+// in order: no horizontal reduction, and a score's bits depend only on its query and key, never
+// on the tile or the batch. Softmax and the weighted sum of values run per row, in key order.
+constexpr int64_t kQueryTile = 16;
+
 template <typename T>
 void cached_attention_rows(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache,
                            const int64_t* query_index, const int64_t* key_slots,
                            const int64_t* q_len, const int64_t* c_len, T* out, int64_t groups,
                            int64_t width, int64_t context, int64_t kv_heads, int64_t share,
                            int64_t head_dim, float scale) {
-  const int64_t items = groups * kv_heads * width;
+  const int64_t tiles = (width + kQueryTile - 1) / kQueryTile;
+  const int64_t items = groups * kv_heads * tiles;
   const int64_t slot_stride = kv_heads * head_dim;
+  const int64_t padded_context = (context + kLanes - 1) / kLanes * kLanes;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(share * context);
-    std::vector<float> query(share * head_dim), acc(share * head_dim);
+    const int64_t max_rows = kQueryTile * share;
+    std::vector<float> queries(max_rows * head_dim), acc(max_rows * head_dim);
+    std::vector<float> scores(max_rows * padded_context), keys_t(head_dim * kLanes);
+    std::vector<float> value_row(head_dim);
+    std::vector<int64_t> visible(max_rows);
     for (int64_t item = begin; item < end; item++) {
-      const int64_t j = item % width, h = (item / width) % kv_heads, g = item / (width * kv_heads);
-      T* o = out + ((g * width + j) * kv_heads + h) * share * head_dim;
-      if (j >= q_len[g]) {  // padding: zeros, never read
+      const int64_t tile = item % tiles, h = (item / tiles) % kv_heads;
+      const int64_t g = item / (tiles * kv_heads);
+      const int64_t j0 = tile * kQueryTile, j1 = std::min(width, j0 + kQueryTile);
+      const int64_t real_end = std::min(j1, q_len[g]);  // queries past q_len[g] are padding
+      for (int64_t j = std::max(j0, real_end); j < j1; j++) {
+        T* o = out + ((g * width + j) * kv_heads + h) * share * head_dim;
         for (int64_t i = 0; i < share * head_dim; i++) o[i] = static_cast<T>(0.0f);
-        continue;
       }
-      const int64_t visible = c_len[g] - q_len[g] + j + 1;
-      const T* qr = q + query_index[g * width + j] * q_row_stride + h * share * head_dim;
-      for (int64_t i = 0; i < share * head_dim; i++) query[i] = load(qr, i);
+      if (real_end <= j0) continue;
+      const int64_t rows = (real_end - j0) * share;  // row r: query j0 + r / share, head r % share
+      for (int64_t r = 0; r < rows; r++) {
+        const int64_t j = j0 + r / share;
+        visible[r] = c_len[g] - q_len[g] + j + 1;
+        const T* qr = q + query_index[g * width + j] * q_row_stride + (h * share + r % share) * head_dim;
+        for (int64_t d = 0; d < head_dim; d++) queries[r * head_dim + d] = load(qr, d);
+      }
+      const int64_t seen = visible[rows - 1];  // the last query sees the most keys
       const int64_t* slots = key_slots + g * context;
-      for (int64_t c = 0; c < visible; c++) {
-        const T* key = k_cache + slots[c] * slot_stride + h * head_dim;
-        for (int64_t s = 0; s < share; s++) {
-          const float* qs = query.data() + s * head_dim;
+      for (int64_t c0 = 0; c0 < seen; c0 += kLanes) {
+        const int64_t n = std::min<int64_t>(kLanes, seen - c0);
+        for (int64_t l = 0; l < kLanes; l++) {  // keys c0 .. c0 + 15 as [head_dim][16]
+          const T* key = k_cache + slots[c0 + std::min(l, n - 1)] * slot_stride + h * head_dim;
+          for (int64_t d = 0; d < head_dim; d++) keys_t[d * kLanes + l] = load(key, d);
+        }
+        for (int64_t r = 0; r < rows; r++) {
+          if (c0 >= visible[r]) continue;
+          const float* qr = queries.data() + r * head_dim;
           float dot[kLanes] = {0};
-          int64_t d = 0;
-          for (; d + kLanes <= head_dim; d += kLanes) {
+          for (int64_t d = 0; d < head_dim; d++) {
+            const float qd = qr[d];
+            const float* kd = keys_t.data() + d * kLanes;
 #pragma omp simd
-            for (int l = 0; l < kLanes; l++) dot[l] += qs[d + l] * load(key, d + l);
+            for (int l = 0; l < kLanes; l++) dot[l] += qd * kd[l];
           }
-          float sum = 0.0f;
-          for (int l = 0; l < kLanes; l++) sum += dot[l];
-          for (; d < head_dim; d++) sum += qs[d] * load(key, d);
-          scores[s * context + c] = sum * scale;
-        }
-      }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t s = 0; s < share; s++) {
-        float* sc = scores.data() + s * context;
-        float top = sc[0];
-        for (int64_t c = 1; c < visible; c++) top = std::max(top, sc[c]);
-        float total = 0.0f;
-        for (int64_t c = 0; c < visible; c++) {
-          sc[c] = std::exp(sc[c] - top);
-          total += sc[c];
-        }
-        const float inv = 1.0f / total;
-        for (int64_t c = 0; c < visible; c++) sc[c] *= inv;
-      }
-      for (int64_t c = 0; c < visible; c++) {
-        const T* value = v_cache + slots[c] * slot_stride + h * head_dim;
-        for (int64_t s = 0; s < share; s++) {
-          const float p = scores[s * context + c];
-          float* a = acc.data() + s * head_dim;
+          float* sr = scores.data() + r * padded_context + c0;
 #pragma omp simd
-          for (int64_t d = 0; d < head_dim; d++) a[d] += p * load(value, d);
+          for (int l = 0; l < kLanes; l++) sr[l] = dot[l] * scale;
         }
       }
-      for (int64_t i = 0; i < share * head_dim; i++) o[i] = static_cast<T>(acc[i]);
+      std::fill(acc.begin(), acc.begin() + rows * head_dim, 0.0f);
+      for (int64_t r = 0; r < rows; r++) {
+        float* sr = scores.data() + r * padded_context;
+        const int64_t nv = visible[r];
+        float top = sr[0];
+        for (int64_t c = 1; c < nv; c++) top = std::max(top, sr[c]);
+#pragma omp simd
+        for (int64_t c = 0; c < nv; c++) sr[c] = exp_approx(sr[c] - top);
+        float total = 0.0f;
+        for (int64_t c = 0; c < nv; c++) total += sr[c];
+        const float inv = 1.0f / total;
+#pragma omp simd
+        for (int64_t c = 0; c < nv; c++) sr[c] *= inv;
+      }
+      for (int64_t c = 0; c < seen; c++) {
+        const T* value = v_cache + slots[c] * slot_stride + h * head_dim;
+        for (int64_t d = 0; d < head_dim; d++) value_row[d] = load(value, d);
+        for (int64_t r = 0; r < rows; r++) {
+          if (c >= visible[r]) continue;
+          const float p = scores[r * padded_context + c];
+          float* a = acc.data() + r * head_dim;
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; d++) a[d] += p * value_row[d];
+        }
+      }
+      for (int64_t r = 0; r < rows; r++) {
+        const int64_t j = j0 + r / share;
+        T* o = out + ((g * width + j) * kv_heads + h) * share * head_dim + (r % share) * head_dim;
+        for (int64_t d = 0; d < head_dim; d++) o[d] = static_cast<T>(acc[r * head_dim + d]);
+      }
     }
   });
 }

@@ -9,10 +9,10 @@ split into groups so that little work is wasted on padding:
 * *fresh* sequences, whose whole context is computed this step (a prompt with no cached prefix),
   attend causally to their own new K/V and never read the cache;
 * the others (decodes, draft verification, later prefill chunks, prefix-cache hits) are padded
-  to one batch and attend to K/V gathered from the cache through their block tables. On the CPU
-  a batch of at most :data:`NARROW_QUERY` queries per sequence (decodes and verifications) runs
-  as one fused C++ call that reads keys by slot (``kernels/cpu_ops.cpp``), whose output rows do
-  not depend on the batch either; wider batches use torch's SDPA on gathered K/V.
+  to one batch and attend to K/V read from the cache through their block tables. On the CPU a
+  batch of at most :data:`NARROW_QUERY` queries per sequence (decodes and verifications) runs as
+  one fused C++ call that reads keys by slot (``kernels/cpu_ops.cpp``); wider batches use
+  torch's SDPA on gathered K/V.
 
 **Batch-invariant mode** (``invariant=True``, the default for bfloat16): a query row's output is
 bitwise the same whatever else the step holds: how many drafts its sequence verifies, which other
@@ -22,19 +22,19 @@ state flips near-tied argmaxes within a few dozen tokens. The idea is that of Th
 "Defeating Nondeterminism in LLM Inference" (He et al., 2025): every reduction runs in an order
 that does not depend on the batch. Here that holds because
 
-* the attention matmuls have shapes whose per-element reduction oneDNN's bf16 GEMM keeps fixed
-  for any number of queries (see :func:`_attend_invariant`), and keys padded by the mask add
-  exact zeros; the model's linears, whose kernel changes above 32 rows, take their input in
-  tiles of at most that many (:class:`specdec.models.linear.PackedLinear`);
+* attention runs in the C++ kernel for every group, which computes each score, softmax and
+  output row on its own in a fixed order; without the kernels, two bf16 matmuls whose shapes
+  keep oneDNN's per-element reduction order fixed for any number of queries (see
+  :func:`_attend_invariant`), with masked keys adding exact zeros;
+* the model's linears, whose oneDNN kernel changes above 32 rows, take their input in tiles of
+  at most that many (:class:`specdec.models.linear.PackedLinear`), and the other ops of a layer
+  work row by row (:mod:`specdec.kernels.cpu_ops`);
 * there is no fresh path: every sequence reads its keys back from the cache, and a prompt chunk
-  wider than :data:`NARROW_QUERY` queries is a group of its own (no padding to its width);
-* scores are scaled, masked and normalised in float32, one row at a time.
+  wider than :data:`NARROW_QUERY` queries is a group of its own (no padding to its width).
 
 ``tests/test_batch_invariance.py`` checks the property against one-token decodes on the kernels
-of the machine it runs on. It costs speed: on SmolLM2-135M, single-stream bf16 generation runs at
-about 0.85x (two oneDNN calls per layer instead of one fused SDPA) and a 500-token prefill takes
-about 1.9x as long (linears in 32-row tiles). ``batch_invariant=False`` trades the exactness back
-for that speed.
+of the machine it runs on. What it costs is prefill speed (linears in 32-row tiles, attention
+without torch's flash kernel); ``batch_invariant=False`` trades the exactness back for that.
 """
 
 from __future__ import annotations
@@ -195,12 +195,8 @@ def paged_attention(
         v_flat[meta.slot_mapping] = v
 
     def attend(group: QueryGroup) -> torch.Tensor:  # [G, Q, Hq, D]
-        if (
-            kernels is not None
-            and not meta.invariant
-            and group.query_index.shape[1] <= NARROW_QUERY
-        ):
-            # decodes and verifications: one call reads the keys by slot, no gathered copies
+        if kernels is not None and (meta.invariant or group.query_index.shape[1] <= NARROW_QUERY):
+            # one call reads the keys by slot, no gathered copies; rows are batch-invariant
             return kernels.cached_attention(
                 q, k_cache, v_cache, group.query_index, group.key_slots,
                 group.query_lens, group.context_lens, scale,

@@ -13,6 +13,7 @@ from torch import nn
 
 from specdec import LLM
 from specdec.attention import AttentionMetadata, paged_attention
+from specdec.kernels import cpu_ops
 from specdec.models.linear import INVARIANT_TILE_ROWS, PackedLinear, can_prepack
 from specdec.models.llama import LlamaForCausalLM
 from specdec.runner import ModelRunner, QueryChunk
@@ -50,9 +51,21 @@ def attend(parts: list[tuple[Sequence, int, int]], caches, invariant: bool = Tru
     return out.split([b - a for _, a, b in parts])
 
 
+def torch_only(monkeypatch: pytest.MonkeyPatch, kernels: bool) -> None:
+    """Without the fused CPU kernels, attention runs its oneDNN matmul path."""
+    if not kernels:
+        monkeypatch.setattr(cpu_ops, "extension_for", lambda t: None)
+
+
 @needs_onednn
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernels", "torch"])
 @pytest.mark.parametrize("heads", [(9, 3, 64), (4, 2, 16), (4, 4, 32)])
-def test_attention_rows_do_not_depend_on_the_batch(heads) -> None:  # noqa: ANN001
+def test_attention_rows_do_not_depend_on_the_batch(
+    heads,  # noqa: ANN001
+    kernels: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch_only(monkeypatch, kernels)
     torch.manual_seed(0)
     caches = [torch.zeros(128, BLOCK, heads[1], heads[2], dtype=torch.bfloat16) for _ in range(2)]
     seq = Sequence(300, 0, heads)  # more than one query tile (attention.QUERY_TILE)
@@ -87,7 +100,11 @@ def test_packed_linear_rows_do_not_depend_on_the_row_count() -> None:
 
 
 @needs_onednn
-def test_model_logits_do_not_depend_on_how_positions_are_batched() -> None:
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernels", "torch"])
+def test_model_logits_do_not_depend_on_how_positions_are_batched(
+    kernels: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch_only(monkeypatch, kernels)
     hf = tiny_model("qwen2")
     state = {k: v.to(torch.bfloat16) for k, v in hf.state_dict().items()}
     model = LlamaForCausalLM.from_hf(hf.config, state, 256)
