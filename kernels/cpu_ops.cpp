@@ -259,6 +259,59 @@ void write_kv_rows(const T* k, const T* v, int64_t k_stride, int64_t v_stride, T
   }
 }
 
+// y = x @ w^T (+ bias) for a few rows of x, float32: a matrix-vector product per row, which
+// MKL runs well below the memory bandwidth on the small matrices of a decode step. Each thread
+// takes blocks of kOutBlock output features; for each row of x it keeps one 16-lane sum per
+// feature over the input, then adds the lanes in a fixed tree, so a row's result does not
+// depend on how many rows the call holds.
+constexpr int64_t kOutBlock = 4;
+
+inline float sum_lanes(const float* lanes) {
+  float half[8], quarter[4];
+  for (int i = 0; i < 8; i++) half[i] = lanes[i] + lanes[i + 8];
+  for (int i = 0; i < 4; i++) quarter[i] = half[i] + half[i + 4];
+  return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
+}
+
+typedef float lanes_t __attribute__((vector_size(kLanes * sizeof(float))));  // one register
+
+template <int64_t B>
+inline void linear_block(const float* x, const float* w, const float* bias, float* y,
+                         int64_t rows, int64_t in, int64_t out, int64_t n0) {
+  for (int64_t m = 0; m < rows; m++) {
+    const float* xm = x + m * in;
+    lanes_t acc[B];
+    for (int64_t b = 0; b < B; b++) acc[b] = lanes_t{};
+    int64_t k = 0;
+    for (; k + kLanes <= in; k += kLanes) {
+      lanes_t xv;
+      __builtin_memcpy(&xv, xm + k, sizeof(xv));
+      for (int64_t b = 0; b < B; b++) {
+        lanes_t wv;
+        __builtin_memcpy(&wv, w + (n0 + b) * in + k, sizeof(wv));
+        acc[b] += xv * wv;
+      }
+    }
+    for (int64_t b = 0; b < B; b++) {
+      float lanes[kLanes];
+      __builtin_memcpy(lanes, &acc[b], sizeof(lanes));
+      float total = sum_lanes(lanes);
+      for (int64_t t = k; t < in; t++) total += xm[t] * w[(n0 + b) * in + t];
+      y[m * out + n0 + b] = bias ? total + bias[n0 + b] : total;
+    }
+  }
+}
+
+void linear_rows(const float* x, const float* w, const float* bias, float* y, int64_t rows,
+                 int64_t in, int64_t out) {
+  const int64_t blocks = out / kOutBlock;
+  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; blk++)
+      linear_block<kOutBlock>(x, w, bias, y, rows, in, out, blk * kOutBlock);
+  });
+  for (int64_t n = blocks * kOutBlock; n < out; n++) linear_block<1>(x, w, bias, y, rows, in, out, n);
+}
+
 void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
   TORCH_CHECK(t.dim() == 2, name, " must be 2-D [rows, features]");
@@ -396,6 +449,27 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   return out;
 }
 
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
+                     const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() &&
+                  x.scalar_type() == at::kFloat,
+              "x must be a contiguous 2-D float32 CPU tensor");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kFloat &&
+                  weight.size(1) == x.size(1),
+              "weight must be a contiguous float32 [out, in] matrix matching x");
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == at::kFloat &&
+                    bias->numel() == weight.size(0),
+                "bias must be float32 with one entry per output feature");
+    b = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({x.size(0), weight.size(0)}, x.options());
+  linear_rows(x.data_ptr<float>(), weight.data_ptr<float>(), b, y.data_ptr<float>(), x.size(0),
+              x.size(1), weight.size(0));
+  return y;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -403,6 +477,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place; weight * RMSNorm(residual)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up for rows [gate | up]");
   m.def("rope_", &rope_, "rotate the first `heads` heads of each row in place");
+  m.def("linear", &linear, "x @ weight.T + bias for a few float32 rows");
   m.def("write_kv_", &write_kv_, "store each token's k and v rows at its cache slot");
   m.def("cached_attention", &cached_attention, "a padded group's attention to cached keys");
 }

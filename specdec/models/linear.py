@@ -8,8 +8,11 @@ does when it freezes a CPU graph (``torch.ops.mkldnn._reorder_linear_weight`` an
 a third, and the time stays nearly flat from 1 to 32 query rows, so verifying drafts costs
 little more than a plain step (``python -m specdec.eval.bench_runtime`` shows the step times).
 
-Float32 keeps ``F.linear``: MKL's GEMV is faster at one row than the packed kernel there, and
-packing for the multi-row steps would mean a second copy of every weight.
+Float32 keeps its plain weights: MKL's GEMV is faster at one row than the packed kernel there,
+and packing for the multi-row steps would mean a second copy of every weight. Steps of at most
+``SMALL_ROWS`` rows (decodes, verifications) go to the fused CPU kernel's matrix-vector product
+(:class:`RowLinear`), which reads the small matrices of a decode step faster than MKL and gives
+each row the same bits whatever the row count; larger steps go to MKL.
 
 For batch-invariant models (see :mod:`specdec.attention`) a packed linear takes its input in
 tiles of at most ``INVARIANT_TILE_ROWS`` rows: oneDNN keeps each row's bits the same for any row
@@ -19,9 +22,13 @@ count up to that, and switches to a kernel that sums in another order above it.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from specdec.kernels import cpu_ops
+
 INVARIANT_TILE_ROWS = 32  # most rows per bf16 oneDNN call for which every row's bits are fixed
+SMALL_ROWS = 17  # most rows a float32 RowLinear hands to the fused kernel (a verify of 16 drafts)
 
 
 def can_prepack(dtype: torch.dtype) -> bool:
@@ -75,4 +82,36 @@ def prepack_linears(model: nn.Module, invariant: bool = False) -> int:
     ]
     for parent, name, child in swaps:
         setattr(parent, name, PackedLinear(child, max_rows))
+    return len(swaps)
+
+
+class RowLinear(nn.Module):
+    """A float32 ``nn.Linear`` whose steps of few rows run the fused CPU matrix-vector kernel."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight  # the same parameter: a tied embedding stays tied
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, in] -> [N, out]
+        kernels = cpu_ops.extension_for(x) if x.shape[0] <= SMALL_ROWS else None
+        if kernels is not None and x.dtype == torch.float32 and x.is_contiguous():
+            return kernels.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+def use_row_kernels(model: nn.Module) -> int:
+    """Replace every float32 ``nn.Linear`` in ``model`` by a :class:`RowLinear`; return how many."""
+    swaps = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.Linear) and child.weight.dtype == torch.float32
+    ]
+    for parent, name, child in swaps:
+        setattr(parent, name, RowLinear(child))
     return len(swaps)

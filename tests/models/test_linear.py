@@ -1,10 +1,11 @@
-"""specdec.models.linear: bf16 linears on oneDNN-packed weights."""
+"""specdec.models.linear: bf16 linears on oneDNN-packed weights, float32 ones on row kernels."""
 
 import pytest
 import torch
 from torch import nn
 
-from specdec.models.linear import PackedLinear, can_prepack, prepack_linears
+from specdec.kernels import cpu_ops
+from specdec.models.linear import SMALL_ROWS, PackedLinear, RowLinear, can_prepack, prepack_linears
 from specdec.models.llama import LlamaForCausalLM
 from tests.tiny import tiny_model
 
@@ -46,3 +47,28 @@ def test_a_bf16_model_is_packed_at_load_and_keeps_its_embedding() -> None:
     torch.testing.assert_close(logits, expected, rtol=1.6e-2, atol=1e-2)
     fp32 = LlamaForCausalLM.from_hf(hf.config, hf.state_dict(), 64)
     assert not any(isinstance(m, PackedLinear) for m in fp32.modules())
+
+
+@pytest.mark.skipif(not cpu_ops.enabled(), reason="no fused CPU kernels")
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("features", [(576, 960), (40, 7)])  # 40: no whole 16-lane blocks
+def test_row_linear_rows_do_not_depend_on_the_row_count(
+    bias: bool, features: tuple[int, int]
+) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(*features, bias=bias)
+    row_linear = RowLinear(linear)
+    x = torch.randn(40, features[0])
+    with torch.inference_mode():
+        one_by_one = torch.cat([row_linear(x[i : i + 1]) for i in range(SMALL_ROWS)])
+        for rows in (2, 9, SMALL_ROWS):
+            assert torch.equal(row_linear(x[:rows]), one_by_one[:rows]), rows
+        torch.testing.assert_close(one_by_one, linear(x[:SMALL_ROWS]), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(row_linear(x), linear(x))  # more rows: MKL
+
+
+def test_float32_linears_use_the_row_kernels() -> None:
+    hf = tiny_model("qwen2")  # q/k/v biases
+    model = LlamaForCausalLM.from_hf(hf.config, hf.state_dict(), 64)
+    assert isinstance(model.layers[0].self_attn.qkv_proj, RowLinear)
+    assert model.lm_head.weight is model.embed_tokens.weight  # still tied
