@@ -1,14 +1,15 @@
-// Fused CPU kernels for the small operations of a decoder layer (see cpu_ops.py).
+// Fused CPU kernels for a decoder layer (see cpu_ops.py).
 //
 // A decode step streams every weight matrix through the caches, which evicts the interpreter's
 // and the dispatcher's working set; each small torch op after a matrix product then costs
 // 5-40 us instead of 1-2. These kernels do in one call what takes torch 2 to 9 calls: RMSNorm
-// (with the residual add before it), SiLU(gate) * up, and RoPE on q and k in place.
+// (with the residual add before it), SiLU(gate) * up, RoPE on q and k in place, the K/V cache
+// write, attention to keys read by slot from the paged cache, and float32 linears of few rows.
 //
 // Every row is computed alone, in an order that does not depend on how many rows a call holds,
 // so results are batch-invariant. Elementwise steps round to the tensor's dtype exactly where
 // torch's eager ops do (the build uses -ffp-contract=off, so no multiply-add is fused behind our
-// back); only the RMSNorm sum and SiLU's exp are computed in another order than torch's.
+// back); sums (RMSNorm, dot products, softmax) and exp run in orders of their own, fixed here.
 
 #include <torch/extension.h>
 

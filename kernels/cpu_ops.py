@@ -9,7 +9,8 @@ takes torch several (the residual add and RMSNorm as vLLM's ``fused_add_rms_norm
 the product with ``up``, RoPE on q and k in place, the K/V write into the paged cache), and
 attends decode and verification queries to keys read by slot from the cache, with no gathered
 copy (scores, softmax and sums in float32). Together they made single-stream float32 decode
-about 1.2x faster.
+about 1.2x faster. Its float32 matrix-vector product serves few-row linears
+(:class:`specdec.models.linear.RowLinear`).
 
 The extension is compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler and
 ``ninja`` are needed) into ``$SPECDEC_CACHE/extensions``; later processes load the built
