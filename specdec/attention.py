@@ -60,13 +60,14 @@ class QueryGroup:
     query_index: torch.Tensor  # [G, Q] flat token index of each query (0 for padding)
     key_slots: torch.Tensor  # [G, C] cache slot of each context key (slot 0 for padding)
     mask: torch.Tensor | None  # [G, 1, Q, C] bool: query may see key; None: it sees them all
-    bias: torch.Tensor | None  # invariant mode: the mask as float32 0 / -inf, [G, 1, Q, C]
     valid_index: torch.Tensor  # [M] flat token index of each real query
     valid_rows: torch.Tensor  # [M] its row in the flattened [G * Q] group
     query_lens: torch.Tensor  # [G] queries of each sequence
     context_lens: torch.Tensor  # [G] keys of each sequence (its last query sees them all)
     max_start: int = 0  # largest position of a first query: query j sees < max_start + j + 1
-    head_rows: torch.Tensor | None = None  # invariant mode: [G * Hkv * C] cache row per key
+    # Built on first use by the oneDNN invariant path, then shared by every layer of the step:
+    head_rows: torch.Tensor | None = None  # [G * Hkv * C] cache row per key
+    bias: torch.Tensor | None = None  # the mask as float32 0 / -inf, [G, 1, Q, C]
 
     @staticmethod
     def build(
@@ -98,18 +99,13 @@ class QueryGroup:
         query_pos = torch.where(query_valid, (c_len - q_len)[:, None] + j, 0)  # [G, Q]
         visible = (pos <= query_pos[:, :, None]) & (pos < c_len[:, None, None])  # [G, Q, C]
         mask: torch.Tensor | None = visible.unsqueeze(1)  # [G, 1, Q, C]
-        bias: torch.Tensor | None = None
-        if invariant:
-            bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf")).unsqueeze(1)
-            mask = None
-        elif max_q == 1 and bool((c_len == max_c).all()):
+        if not invariant and max_q == 1 and bool((c_len == max_c).all()):
             mask = None  # one query per sequence and equal contexts: every key is visible
         valid_rows = query_valid.flatten().nonzero().squeeze(1)  # [M]
         return QueryGroup(
             query_index,
             key_slots,
             mask,
-            bias,
             query_index.flatten()[valid_rows],
             valid_rows,
             q_len,
@@ -293,7 +289,9 @@ def _attend_invariant(
     exact zeros). Scores are scaled, masked and normalised in float32. The ``g = Hq / Hkv``
     query heads that share a KV head are rows of the same matmul.
     """
-    assert group.bias is not None
+    assert group.mask is not None
+    if group.bias is None:
+        group.bias = torch.zeros(group.mask.shape).masked_fill_(~group.mask, float("-inf"))
     batch, width, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[0] // batch
     share, context = num_heads // num_kv_heads, keys.shape[1]
