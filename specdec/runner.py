@@ -9,11 +9,13 @@ or verified.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from specdec.attention import AttentionMetadata
+from specdec.models.hugepages import huge_page_buffer, huge_pages_available
 from specdec.models.llama import LlamaForCausalLM
 from specdec.scheduler import SchedulerOutput
 
@@ -45,6 +47,22 @@ def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype)
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
 
+def _allocate_caches(
+    shape: tuple[int, ...], dtype: torch.dtype, count: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``count`` zeroed KV tensors, half for keys and half for values, on huge pages where the
+    OS gives them (see :mod:`specdec.models.hugepages`): attention reads a sequence's blocks
+    from all over the pool, and one 2 MB page covers many of them."""
+    numel = math.prod(shape)
+    if huge_pages_available():
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        pool = huge_page_buffer(count * nbytes).view(dtype).view(count, *shape)  # zeroed
+    else:
+        pool = torch.zeros(count, *shape, dtype=dtype)
+    caches = list(pool.unbind(0))
+    return caches[: count // 2], caches[count // 2 :]
+
+
 class ModelRunner:
     def __init__(
         self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype
@@ -53,8 +71,7 @@ class ModelRunner:
         self.block_size = block_size
         cfg = model.config
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.k_caches = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.k_caches, self.v_caches = _allocate_caches(shape, dtype, 2 * cfg.num_layers)
         for attn, k, v in zip(model.attention_layers, self.k_caches, self.v_caches):
             attn.k_cache, attn.v_cache = k, v
 

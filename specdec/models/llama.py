@@ -18,6 +18,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from specdec.attention import AttentionMetadata, paged_attention
 from specdec.kernels import cpu_ops
+from specdec.models.hugepages import move_to_huge_pages
 from specdec.models.linear import can_prepack, prepack_linears, use_row_kernels
 
 FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}  # config.model_type
@@ -255,6 +256,7 @@ class LlamaForCausalLM(nn.Module):
         # bf16 on a oneDNN build: packed weights (see models/linear.py)
         prepack_linears(model, invariant=model.batch_invariant)
         use_row_kernels(model)  # float32: few-row steps on the fused CPU kernel
+        move_to_huge_pages(model)  # weights streamed from 2 MB pages (see models/hugepages.py)
         return model.eval().requires_grad_(False)
 
     def weight_bytes_per_step(self) -> int:

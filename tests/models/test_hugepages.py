@@ -1,0 +1,73 @@
+"""specdec.models.hugepages: weights and the KV pool on 2 MB pages, with nothing else changed."""
+
+import pytest
+import torch
+
+from specdec.models import hugepages
+from specdec.models.hugepages import HUGE_PAGE, huge_page_buffer, move_to_huge_pages
+from specdec.models.llama import LlamaForCausalLM
+from specdec.runner import ModelRunner
+from tests.tiny import tiny_model
+
+needs_huge_pages = pytest.mark.skipif(
+    not hugepages.huge_pages_available(), reason="no madvise(MADV_HUGEPAGE) here"
+)
+
+
+@needs_huge_pages
+def test_a_buffer_starts_on_a_huge_page_and_is_zeroed() -> None:
+    buf = huge_page_buffer(3 * HUGE_PAGE + 5)
+    assert buf.dtype == torch.uint8 and buf.numel() == 3 * HUGE_PAGE + 5
+    assert buf.data_ptr() % HUGE_PAGE == 0 and not buf.any()
+    buf[-1] = 7  # writable to its last byte
+    assert int(buf.sum()) == 7
+
+
+@needs_huge_pages
+def test_moved_weights_keep_values_ties_and_logits() -> None:
+    hf = tiny_model("llama")  # tied embeddings
+    model = LlamaForCausalLM.from_hf(hf.config, hf.state_dict(), 64)  # moves nothing: all tiny
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    hidden = torch.randn(3, hf.config.hidden_size)
+    with torch.inference_mode():
+        expected = model.compute_logits(hidden)
+    moved = move_to_huge_pages(model, min_bytes=0)
+    params = list(model.parameters())
+    assert moved >= sum(p.numel() * p.element_size() for p in params)
+    starts = sorted(p.data_ptr() for p in params)
+    assert starts[0] % HUGE_PAGE == 0 and starts[-1] - starts[0] < moved  # one arena
+    assert all(p.data_ptr() % hugepages.ALIGN == 0 for p in params)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    assert model.lm_head.weight is model.embed_tokens.weight  # still one tensor
+    with torch.inference_mode():
+        assert torch.equal(model.compute_logits(hidden), expected)
+
+
+def test_switched_off_nothing_moves(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(hugepages.ENV, "0")
+    hf = tiny_model("llama")
+    model = LlamaForCausalLM.from_hf(hf.config, hf.state_dict(), 64)
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    assert move_to_huge_pages(model, min_bytes=0) == 0
+    assert [p.data_ptr() for p in model.parameters()] == ptrs
+    with pytest.raises(RuntimeError, match="huge pages are not available"):
+        huge_page_buffer(HUGE_PAGE)
+
+
+@pytest.mark.parametrize("huge", ["1", "0"])
+def test_kv_pool_is_zeroed_and_one_tensor_per_layer(
+    monkeypatch: pytest.MonkeyPatch, huge: str
+) -> None:
+    monkeypatch.setenv(hugepages.ENV, huge)
+    hf = tiny_model("llama")
+    model = LlamaForCausalLM.from_hf(hf.config, hf.state_dict(), 64)
+    runner = ModelRunner(model, num_blocks=5, block_size=4, dtype=torch.float32)
+    caches = runner.k_caches + runner.v_caches
+    assert len(caches) == 2 * hf.config.num_hidden_layers
+    assert len({c.data_ptr() for c in caches}) == len(caches)  # no two layers share memory
+    for cache in caches:
+        assert cache.shape == (5, 4, model.config.num_kv_heads, model.config.head_dim)
+        assert cache.is_contiguous() and not cache.any()
+    caches[0].fill_(1.0)
+    assert not caches[1].any() and not runner.v_caches[0].any()
