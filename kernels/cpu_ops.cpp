@@ -10,14 +10,21 @@
 // so results are batch-invariant. Elementwise steps round to the tensor's dtype exactly where
 // torch's eager ops do (the build uses -ffp-contract=off, so no multiply-add is fused behind our
 // back); sums (RMSNorm, dot products, softmax) and exp run in orders of their own, fixed here.
+// With AVX-512, the linears and attention use explicit fused multiply-adds, the same in every
+// code path a row can take, and 16-lane sums added in one fixed tree (sum_lanes).
 
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -59,6 +66,48 @@ inline float exp_approx(float x) {
   const float y = p * two_n;
   return x < -87.3f ? 0.0f : (x > 88.0f ? __builtin_inff() : y);
 }
+
+// The lanes of a 16-lane sum added in a fixed tree (halves, quarters, then pairs).
+inline float sum_lanes(const float* lanes) {
+  float half[8], quarter[4];
+  for (int i = 0; i < 8; i++) half[i] = lanes[i] + lanes[i + 8];
+  for (int i = 0; i < 4; i++) quarter[i] = half[i] + half[i + 4];
+  return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
+}
+
+#if defined(__AVX512F__)
+// The 16 lane sums of v[0..15], as sum_lanes adds them (the same pairs at each level), for all
+// 16 at once: shuffles bring the pairs of one level into matching lanes, one add per level and
+// pair of vectors. Lane j of the result is sum_lanes(v[j]).
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 half[8], quarter[4], eighth[2];
+  for (int i = 0; i < 8; i++) {  // lanes l and l + 8: [v0 l0-7 | v1 l0-7] + [v0 l8-15 | v1 l8-15]
+    const __m512 a = v[2 * i], b = v[2 * i + 1];
+    half[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  }
+  for (int i = 0; i < 4; i++) {  // halves h and h + 4: 128-bit lanes 0, 2 against 1, 3
+    const __m512 a = half[2 * i], b = half[2 * i + 1];
+    quarter[i] =
+        _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+  }
+  for (int i = 0; i < 2; i++) {  // quarters q0 + q2 and q1 + q3, within each 128-bit lane
+    const __m512 a = quarter[2 * i], b = quarter[2 * i + 1];
+    eighth[i] = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
+  }
+  const __m512 total = _mm512_add_ps(_mm512_shuffle_ps(eighth[0], eighth[1], 0x88),
+                                     _mm512_shuffle_ps(eighth[0], eighth[1], 0xDD));
+  // total holds the sums in the order the shuffles left them; put sum j in lane j
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  return _mm512_permutexvar_ps(order, total);
+}
+
+// 16 elements of p as float32.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#endif
 
 // Sum of squares of one row, in float32: 16 running sums over the row, then added in order.
 template <typename T>
@@ -152,9 +201,9 @@ void rope_rows(T* x, const T* cos, const T* sin, int64_t rows, int64_t row_strid
 // Attention of a padded group of sequences to keys read from the paged cache by slot.
 //
 // For sequence g, query j (of q_len[g]) sits at position c_len[g] - q_len[g] + j and sees the
-// keys at positions 0 .. that position. A work item is one sequence, one KV head and a tile of
-// up to kQueryTile of its queries, with the `share` query heads of that KV head: kShare * tile
-// score rows. Keys are taken kLanes at a time and transposed into a small buffer, so that one
+// keys at positions 0 .. that position. Without AVX-512 (see cached_attention_rows_avx512 for
+// the vectorised form), a work item is one sequence, one KV head and a tile of up to kQueryTile
+// of its queries, with the `share` query heads of that KV head: kShare * tile score rows. Keys are taken kLanes at a time and transposed into a small buffer, so that one
 // vector holds the scores of kLanes keys and each score is a plain sum over the head dimension,
 // in order: no horizontal reduction, and a score's bits depend only on its query and key, never
 // on the tile or the batch. Softmax and the weighted sum of values run per row, in key order.
@@ -250,6 +299,160 @@ void cached_attention_rows(const T* q, int64_t q_row_stride, const T* k_cache, c
   });
 }
 
+#if defined(__AVX512F__)
+// The same attention with AVX-512, for head dims that are a multiple of 16. A work item is one
+// sequence, one query head and a tile of its queries, so a lone decode still spreads over the
+// threads. Each score is a dot product over the head dimension in 16 lanes (one fused
+// multiply-add per 16 dims, in order), its lanes added as sum_lanes adds them: sum_lanes16 gives
+// the scores of 16 keys at once. Softmax sums run in 16 lanes and the same tree; each output
+// element is a sum over the keys in order. A row's bits depend on its own query and keys only.
+constexpr int64_t kHeadChunks = 4;  // 16-wide pieces of the head dim kept in registers at once
+
+// acc[r] += p[r][c] * value[c] for R rows and C pieces of the head dim from `d0`, over every key
+// c each row sees (row r sees the first visible[r] keys), then the rows are stored to `out`.
+template <typename T, int R, int C>
+inline void weigh_values(const T* v_cache, const int64_t* slots, int64_t slot_stride,
+                         int64_t offset, const float* probs, int64_t probs_stride,
+                         const int64_t* visible, T* out, int64_t out_stride) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; r++)
+    for (int ch = 0; ch < C; ch++) acc[r][ch] = _mm512_setzero_ps();
+  const int64_t all = visible[0], seen = visible[R - 1];  // rows see more keys as they go
+  for (int64_t c = 0; c < seen; c++) {
+    const T* value = v_cache + slots[c] * slot_stride + offset;
+    __m512 v[C];
+    for (int ch = 0; ch < C; ch++) v[ch] = load16(value + ch * kLanes);
+    for (int r = 0; r < R; r++) {
+      if (c >= all && c >= visible[r]) continue;
+      const __m512 p = _mm512_set1_ps(probs[r * probs_stride + c]);
+      for (int ch = 0; ch < C; ch++) acc[r][ch] = _mm512_fmadd_ps(p, v[ch], acc[r][ch]);
+    }
+  }
+  for (int r = 0; r < R; r++) {
+    float row[C * kLanes];
+    for (int ch = 0; ch < C; ch++) _mm512_storeu_ps(row + ch * kLanes, acc[r][ch]);
+    for (int i = 0; i < C * kLanes; i++) out[r * out_stride + i] = static_cast<T>(row[i]);
+  }
+}
+
+template <typename T, int R>
+inline void weigh_values_chunks(int64_t chunks, const T* v_cache, const int64_t* slots,
+                                int64_t slot_stride, int64_t offset, const float* probs,
+                                int64_t probs_stride, const int64_t* visible, T* out,
+                                int64_t out_stride) {
+  for (int64_t ch = 0; ch < chunks; ch += kHeadChunks) {
+    const int64_t d = ch * kLanes;
+    switch (std::min<int64_t>(kHeadChunks, chunks - ch)) {
+#define SPECDEC_WEIGH(C)                                                                     \
+  case C:                                                                                    \
+    weigh_values<T, R, C>(v_cache, slots, slot_stride, offset + d, probs, probs_stride, visible, \
+                          out + d, out_stride);                                              \
+    break;
+      SPECDEC_WEIGH(1)
+      SPECDEC_WEIGH(2)
+      SPECDEC_WEIGH(3)
+      SPECDEC_WEIGH(4)
+#undef SPECDEC_WEIGH
+    }
+  }
+}
+
+template <typename T>
+void cached_attention_rows_avx512(const T* q, int64_t q_row_stride, const T* k_cache,
+                                  const T* v_cache, const int64_t* query_index,
+                                  const int64_t* key_slots, const int64_t* q_len,
+                                  const int64_t* c_len, T* out, int64_t groups, int64_t width,
+                                  int64_t context, int64_t kv_heads, int64_t share,
+                                  int64_t head_dim, float scale) {
+  const int64_t tiles = (width + kQueryTile - 1) / kQueryTile;
+  const int64_t heads = kv_heads * share, chunks = head_dim / kLanes;
+  const int64_t items = groups * heads * tiles;
+  const int64_t slot_stride = kv_heads * head_dim;
+  const int64_t padded_context = (context + kLanes - 1) / kLanes * kLanes;
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> queries(kQueryTile * head_dim), keys(kLanes * head_dim);
+    std::vector<float> scores(kQueryTile * padded_context);
+    int64_t visible[kQueryTile];
+    for (int64_t item = begin; item < end; item++) {
+      const int64_t tile = item % tiles, qh = (item / tiles) % heads;
+      const int64_t g = item / (tiles * heads), h = qh / share;
+      const int64_t j0 = tile * kQueryTile, j1 = std::min(width, j0 + kQueryTile);
+      const int64_t real_end = std::min(j1, q_len[g]);  // queries past q_len[g] are padding
+      T* out_rows = out + (g * width * heads + qh) * head_dim;  // query j: + j * heads * head_dim
+      const int64_t out_stride = heads * head_dim;
+      for (int64_t j = std::max(j0, real_end); j < j1; j++)
+        for (int64_t d = 0; d < head_dim; d++) out_rows[j * out_stride + d] = static_cast<T>(0.0f);
+      if (real_end <= j0) continue;
+      const int64_t rows = real_end - j0;
+      for (int64_t r = 0; r < rows; r++) {
+        visible[r] = c_len[g] - q_len[g] + j0 + r + 1;
+        const T* qr = q + query_index[g * width + j0 + r] * q_row_stride + qh * head_dim;
+        for (int64_t d = 0; d < head_dim; d++) queries[r * head_dim + d] = load(qr, d);
+      }
+      const int64_t seen = visible[rows - 1];  // the last query sees the most keys
+      const int64_t* slots = key_slots + g * context;
+      for (int64_t c0 = 0; c0 < seen; c0 += kLanes) {
+        const int64_t n = std::min<int64_t>(kLanes, seen - c0);
+        for (int64_t l = 0; l < kLanes; l++) {  // keys c0 .. c0 + 15 as float32 rows
+          const T* key = k_cache + slots[c0 + std::min(l, n - 1)] * slot_stride + h * head_dim;
+          for (int64_t ch = 0; ch < chunks; ch++)
+            _mm512_storeu_ps(keys.data() + l * head_dim + ch * kLanes, load16(key + ch * kLanes));
+        }
+        for (int64_t r = 0; r < rows; r++) {
+          if (c0 >= visible[r]) continue;
+          __m512 dot[kLanes];
+          for (int l = 0; l < kLanes; l++) dot[l] = _mm512_setzero_ps();
+          for (int64_t ch = 0; ch < chunks; ch++) {
+            const __m512 qv = _mm512_loadu_ps(queries.data() + r * head_dim + ch * kLanes);
+            for (int l = 0; l < kLanes; l++)
+              dot[l] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(keys.data() + l * head_dim + ch * kLanes),
+                                       dot[l]);
+          }
+          _mm512_storeu_ps(scores.data() + r * padded_context + c0,
+                           _mm512_mul_ps(sum_lanes16(dot), _mm512_set1_ps(scale)));
+        }
+      }
+      for (int64_t r = 0; r < rows; r++) {  // softmax over the first visible[r] scores
+        float* sr = scores.data() + r * padded_context;
+        const int64_t nv = visible[r], full = nv / kLanes * kLanes;
+        const __mmask16 tail = static_cast<__mmask16>((1u << (nv - full)) - 1);
+        __m512 top = _mm512_set1_ps(-__builtin_inff());
+        for (int64_t c = 0; c < full; c += kLanes) top = _mm512_max_ps(top, _mm512_loadu_ps(sr + c));
+        top = _mm512_mask_max_ps(top, tail, top, _mm512_maskz_loadu_ps(tail, sr + full));
+        const float peak = _mm512_reduce_max_ps(top);  // a maximum is exact in any order
+#pragma omp simd
+        for (int64_t c = 0; c < nv; c++) sr[c] = exp_approx(sr[c] - peak);
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t c = 0; c < full; c += kLanes) total = _mm512_add_ps(total, _mm512_loadu_ps(sr + c));
+        total = _mm512_add_ps(total, _mm512_maskz_loadu_ps(tail, sr + full));
+        float lanes[kLanes];
+        _mm512_storeu_ps(lanes, total);
+        const float inv = 1.0f / sum_lanes(lanes);
+#pragma omp simd
+        for (int64_t c = 0; c < nv; c++) sr[c] *= inv;
+      }
+      for (int64_t r = 0; r < rows; r += 4) {
+        const float* probs = scores.data() + r * padded_context;
+        T* o = out_rows + (j0 + r) * out_stride;
+        const int64_t offset = h * head_dim;
+        switch (std::min<int64_t>(4, rows - r)) {
+#define SPECDEC_ROWS(R)                                                                        \
+  case R:                                                                                      \
+    weigh_values_chunks<T, R>(chunks, v_cache, slots, slot_stride, offset, probs,              \
+                              padded_context, visible + r, o, out_stride);                     \
+    break;
+          SPECDEC_ROWS(1)
+          SPECDEC_ROWS(2)
+          SPECDEC_ROWS(3)
+          SPECDEC_ROWS(4)
+#undef SPECDEC_ROWS
+        }
+      }
+    }
+  });
+}
+#endif
+
 // Write each token's key and value rows into the cache at its slot.
 template <typename T>
 void write_kv_rows(const T* k, const T* v, int64_t k_stride, int64_t v_stride, T* k_cache,
@@ -260,57 +463,147 @@ void write_kv_rows(const T* k, const T* v, int64_t k_stride, int64_t v_stride, T
   }
 }
 
-// y = x @ w^T (+ bias) for a few rows of x, float32: a matrix-vector product per row, which
-// MKL runs well below the memory bandwidth on the small matrices of a decode step. Each thread
-// takes blocks of kOutBlock output features; for each row of x it keeps one 16-lane sum per
-// feature over the input, then adds the lanes in a fixed tree, so a row's result does not
-// depend on how many rows the call holds.
+// y = x @ w^T (+ bias) for a few rows of x, float32, where MKL runs well below the memory
+// bandwidth (a matrix-vector product per row) or the multiply-add rate (2 to 64 rows).
+//
+// Each (row, feature) output is a dot product summed in kLanes lanes in input order, with one
+// fused multiply-add per lane and step, then the lanes added in a fixed tree: its bits depend
+// on nothing but that row and that feature, whatever the row count. A thread takes blocks of
+// kOutBlock features; within a block, tiles of up to kRowBlock rows keep kRowBlock * kOutBlock
+// sums in registers, so each weight vector loaded serves several rows. While the block's first
+// rows run, the next block's weights are prefetched into L2, to keep the memory stream busy.
 constexpr int64_t kOutBlock = 4;
+constexpr int64_t kRowBlock = 4;  // kRowBlock * kOutBlock = 16 sums, reduced together
 
-inline float sum_lanes(const float* lanes) {
-  float half[8], quarter[4];
-  for (int i = 0; i < 8; i++) half[i] = lanes[i] + lanes[i + 8];
-  for (int i = 0; i < 4; i++) quarter[i] = half[i] + half[i + 4];
-  return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
+
+#if defined(__AVX512F__)
+// R <= kRowBlock rows by kOutBlock features: 16 sums in registers (rows past R stay zero).
+template <int R>
+inline void linear_tile(const float* x, const float* w, const float* bias, float* y, int64_t in,
+                        int64_t out, int64_t m0, int64_t n0, bool prefetch) {
+  constexpr int B = kOutBlock;
+  __m512 acc[kRowBlock * B];
+  for (int i = 0; i < kRowBlock * B; i++) acc[i] = _mm512_setzero_ps();
+  const float* wb = w + n0 * in;
+  const float* next = wb + B * in;  // the next block's weights (past the end: prefetch is a hint)
+  int64_t k = 0;
+  for (; k + kLanes <= in; k += kLanes) {
+    __m512 wv[B];
+    for (int b = 0; b < B; b++) {
+      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(next + b * in + k), _MM_HINT_T1);
+      wv[b] = _mm512_loadu_ps(wb + b * in + k);
+    }
+    for (int r = 0; r < R; r++) {
+      const __m512 xv = _mm512_loadu_ps(x + (m0 + r) * in + k);
+      for (int b = 0; b < B; b++) acc[r * B + b] = _mm512_fmadd_ps(xv, wv[b], acc[r * B + b]);
+    }
+  }
+  if (k < in) {  // the last in % 16 inputs; masked lanes add fma(0, 0, sum) = sum
+    const __mmask16 mask = static_cast<__mmask16>((1u << (in - k)) - 1);
+    for (int r = 0; r < R; r++) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + (m0 + r) * in + k);
+      for (int b = 0; b < B; b++)
+        acc[r * B + b] =
+            _mm512_fmadd_ps(xv, _mm512_maskz_loadu_ps(mask, wb + b * in + k), acc[r * B + b]);
+    }
+  }
+  float sums[kRowBlock * B];
+  _mm512_storeu_ps(sums, sum_lanes16(acc));
+  for (int r = 0; r < R; r++)
+    for (int b = 0; b < B; b++) {
+      const float total = sums[r * B + b];
+      y[(m0 + r) * out + n0 + b] = bias ? total + bias[n0 + b] : total;
+    }
 }
 
-typedef float lanes_t __attribute__((vector_size(kLanes * sizeof(float))));  // one register
-
-template <int64_t B>
-inline void linear_block(const float* x, const float* w, const float* bias, float* y,
-                         int64_t rows, int64_t in, int64_t out, int64_t n0) {
-  for (int64_t m = 0; m < rows; m++) {
-    const float* xm = x + m * in;
-    lanes_t acc[B];
-    for (int64_t b = 0; b < B; b++) acc[b] = lanes_t{};
+// The last out % kOutBlock features: one at a time, each sum as sum_lanes adds it.
+template <int R>
+inline void linear_tail_feature(const float* x, const float* w, const float* bias, float* y,
+                                int64_t in, int64_t out, int64_t m0, int64_t n) {
+  for (int r = 0; r < R; r++) {
+    __m512 acc = _mm512_setzero_ps();
     int64_t k = 0;
-    for (; k + kLanes <= in; k += kLanes) {
-      lanes_t xv;
-      __builtin_memcpy(&xv, xm + k, sizeof(xv));
-      for (int64_t b = 0; b < B; b++) {
-        lanes_t wv;
-        __builtin_memcpy(&wv, w + (n0 + b) * in + k, sizeof(wv));
-        acc[b] += xv * wv;
+    for (; k + kLanes <= in; k += kLanes)
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + (m0 + r) * in + k),
+                            _mm512_loadu_ps(w + n * in + k), acc);
+    if (k < in) {
+      const __mmask16 mask = static_cast<__mmask16>((1u << (in - k)) - 1);
+      acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + (m0 + r) * in + k),
+                            _mm512_maskz_loadu_ps(mask, w + n * in + k), acc);
+    }
+    float lanes[kLanes];
+    _mm512_storeu_ps(lanes, acc);
+    const float total = sum_lanes(lanes);
+    y[(m0 + r) * out + n] = bias ? total + bias[n] : total;
+  }
+}
+#else
+// Without AVX-512: the same lanes and tree, a multiply and an add per step (no fusion here).
+typedef float lanes_t __attribute__((vector_size(kLanes * sizeof(float))));
+
+template <int R, int B>
+inline void linear_rows_scalar(const float* x, const float* w, const float* bias, float* y,
+                               int64_t in, int64_t out, int64_t m0, int64_t n0) {
+  for (int r = 0; r < R; r++) {
+    const float* xm = x + (m0 + r) * in;
+    for (int b = 0; b < B; b++) {
+      const float* wn = w + (n0 + b) * in;
+      lanes_t acc = lanes_t{};
+      int64_t k = 0;
+      for (; k + kLanes <= in; k += kLanes) {
+        lanes_t xv, wv;
+        __builtin_memcpy(&xv, xm + k, sizeof(xv));
+        __builtin_memcpy(&wv, wn + k, sizeof(wv));
+        acc += xv * wv;
       }
-    }
-    for (int64_t b = 0; b < B; b++) {
       float lanes[kLanes];
-      __builtin_memcpy(lanes, &acc[b], sizeof(lanes));
-      float total = sum_lanes(lanes);
-      for (int64_t t = k; t < in; t++) total += xm[t] * w[(n0 + b) * in + t];
-      y[m * out + n0 + b] = bias ? total + bias[n0 + b] : total;
+      __builtin_memcpy(lanes, &acc, sizeof(lanes));
+      for (int64_t t = k; t < in; t++) lanes[t - k] += xm[t] * wn[t];
+      const float total = sum_lanes(lanes);
+      y[(m0 + r) * out + n0 + b] = bias ? total + bias[n0 + b] : total;
     }
+  }
+}
+
+template <int R>
+inline void linear_tile(const float* x, const float* w, const float* bias, float* y, int64_t in,
+                        int64_t out, int64_t m0, int64_t n0, bool /*prefetch*/) {
+  linear_rows_scalar<R, kOutBlock>(x, w, bias, y, in, out, m0, n0);
+}
+
+template <int R>
+inline void linear_tail_feature(const float* x, const float* w, const float* bias, float* y,
+                                int64_t in, int64_t out, int64_t m0, int64_t n) {
+  linear_rows_scalar<R, 1>(x, w, bias, y, in, out, m0, n);
+}
+#endif
+
+inline void linear_feature_block(const float* x, const float* w, const float* bias, float* y,
+                                 int64_t rows, int64_t in, int64_t out, int64_t n0) {
+  int64_t m = 0;
+  for (; m + kRowBlock <= rows; m += kRowBlock)
+    linear_tile<kRowBlock>(x, w, bias, y, in, out, m, n0, m == 0);
+  switch (rows - m) {
+    case 3: linear_tile<3>(x, w, bias, y, in, out, m, n0, m == 0); break;
+    case 2: linear_tile<2>(x, w, bias, y, in, out, m, n0, m == 0); break;
+    case 1: linear_tile<1>(x, w, bias, y, in, out, m, n0, m == 0); break;
+    default: break;
   }
 }
 
 void linear_rows(const float* x, const float* w, const float* bias, float* y, int64_t rows,
                  int64_t in, int64_t out) {
   const int64_t blocks = out / kOutBlock;
-  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
     for (int64_t blk = begin; blk < end; blk++)
-      linear_block<kOutBlock>(x, w, bias, y, rows, in, out, blk * kOutBlock);
+      linear_feature_block(x, w, bias, y, rows, in, out, blk * kOutBlock);
   });
-  for (int64_t n = blocks * kOutBlock; n < out; n++) linear_block<1>(x, w, bias, y, rows, in, out, n);
+  for (int64_t n = blocks * kOutBlock; n < out; n++) {
+    int64_t m = 0;
+    for (; m + kRowBlock <= rows; m += kRowBlock)
+      linear_tail_feature<kRowBlock>(x, w, bias, y, in, out, m, n);
+    for (; m < rows; m++) linear_tail_feature<1>(x, w, bias, y, in, out, m, n);
+  }
 }
 
 void check_rows(const torch::Tensor& t, const char* name) {
@@ -442,6 +735,16 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   }
   auto out = torch::empty({groups, width, heads, head_dim}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "cached_attention", [&] {
+#if defined(__AVX512F__)
+    constexpr bool vectorised = std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, BFloat16>;
+    if constexpr (vectorised) if (head_dim % kLanes == 0) {
+      cached_attention_rows_avx512(q.data_ptr<scalar_t>(), q.stride(0),
+                                   k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), qi,
+                                   ks, ql, cl, out.data_ptr<scalar_t>(), groups, width, context,
+                                   kv_heads, heads / kv_heads, head_dim, static_cast<float>(scale));
+      return;
+    }
+#endif
     cached_attention_rows(q.data_ptr<scalar_t>(), q.stride(0), k_cache.data_ptr<scalar_t>(),
                           v_cache.data_ptr<scalar_t>(), qi, ks, ql, cl,
                           out.data_ptr<scalar_t>(), groups, width, context, kv_heads,
