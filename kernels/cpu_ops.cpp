@@ -203,10 +203,11 @@ void rope_rows(T* x, const T* cos, const T* sin, int64_t rows, int64_t row_strid
 // For sequence g, query j (of q_len[g]) sits at position c_len[g] - q_len[g] + j and sees the
 // keys at positions 0 .. that position. Without AVX-512 (see cached_attention_rows_avx512 for
 // the vectorised form), a work item is one sequence, one KV head and a tile of up to kQueryTile
-// of its queries, with the `share` query heads of that KV head: kShare * tile score rows. Keys are taken kLanes at a time and transposed into a small buffer, so that one
-// vector holds the scores of kLanes keys and each score is a plain sum over the head dimension,
-// in order: no horizontal reduction, and a score's bits depend only on its query and key, never
-// on the tile or the batch. Softmax and the weighted sum of values run per row, in key order.
+// of its queries, with the `share` query heads of that KV head: kShare * tile score rows. Keys
+// are taken kLanes at a time and transposed into a small buffer, so that one vector holds the
+// scores of kLanes keys and each score is a plain sum over the head dimension, in order: no
+// horizontal reduction, and a score's bits depend only on its query and key, never on the tile
+// or the batch. Softmax and the weighted sum of values run per row, in key order.
 constexpr int64_t kQueryTile = 16;
 
 template <typename T>
@@ -308,7 +309,7 @@ void cached_attention_rows(const T* q, int64_t q_row_stride, const T* k_cache, c
 // element is a sum over the keys in order. A row's bits depend on its own query and keys only.
 constexpr int64_t kHeadChunks = 4;  // 16-wide pieces of the head dim kept in registers at once
 
-// acc[r] += p[r][c] * value[c] for R rows and C pieces of the head dim from `d0`, over every key
+// acc[r] += p[r][c] * value[c] for R rows and C pieces of the head dim from `offset`, over each key
 // c each row sees (row r sees the first visible[r] keys), then the rows are stored to `out`.
 template <typename T, int R, int C>
 inline void weigh_values(const T* v_cache, const int64_t* slots, int64_t slot_stride,
@@ -317,13 +318,13 @@ inline void weigh_values(const T* v_cache, const int64_t* slots, int64_t slot_st
   __m512 acc[R][C];
   for (int r = 0; r < R; r++)
     for (int ch = 0; ch < C; ch++) acc[r][ch] = _mm512_setzero_ps();
-  const int64_t all = visible[0], seen = visible[R - 1];  // rows see more keys as they go
+  const int64_t seen = visible[R - 1];  // rows see more keys as they go
   for (int64_t c = 0; c < seen; c++) {
     const T* value = v_cache + slots[c] * slot_stride + offset;
     __m512 v[C];
     for (int ch = 0; ch < C; ch++) v[ch] = load16(value + ch * kLanes);
     for (int r = 0; r < R; r++) {
-      if (c >= all && c >= visible[r]) continue;
+      if (c >= visible[r]) continue;
       const __m512 p = _mm512_set1_ps(probs[r * probs_stride + c]);
       for (int ch = 0; ch < C; ch++) acc[r][ch] = _mm512_fmadd_ps(p, v[ch], acc[r][ch]);
     }

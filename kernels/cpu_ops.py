@@ -152,7 +152,9 @@ def extension() -> ModuleType | None:
         return None
 
 
-def _build() -> ModuleType:
+def _build(extra_flags: tuple[str, ...] = (), name: str = "specdec_cpu_ops") -> ModuleType:
+    """Compile (or load the cached build of) the kernels; ``extra_flags`` and ``name`` build a
+    variant beside it (the tests build one without AVX-512, to check the portable code)."""
     from torch.utils import cpp_extension
 
     from specdec.loader import cache_dir
@@ -163,14 +165,15 @@ def _build() -> ModuleType:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     # One directory per source, flags, torch version and CPU (the build is -march=native), so an
     # upgrade or a cache shared between machines never loads a stale or foreign build.
-    identity = [SOURCE.read_text(), *FLAGS, torch.__version__, platform.machine(), _cpu_flags()]
+    flags = [*FLAGS, *extra_flags]
+    identity = [SOURCE.read_text(), *flags, torch.__version__, platform.machine(), _cpu_flags()]
     key = hashlib.sha256("\n".join(identity).encode()).hexdigest()[:16]
     build_dir = cache_dir() / "extensions" / f"cpu_ops-{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
     return cpp_extension.load(
-        name="specdec_cpu_ops",
+        name=name,
         sources=[str(SOURCE)],
-        extra_cflags=FLAGS,
+        extra_cflags=flags,
         extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir),
         verbose=False,

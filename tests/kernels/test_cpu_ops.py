@@ -177,10 +177,11 @@ def paged_step(parts, caches, heads):  # noqa: ANN001, ANN201
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 16)])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 16), (4, 2, 128), (2, 1, 40)])
 def test_cached_attention_matches_sdpa_and_is_row_invariant(
     dtype: torch.dtype, heads: tuple[int, int, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Head dims of one to eight 16-lane pieces (AVX-512 path), and 40 (the portable path)."""
     torch.manual_seed(4)
     num_heads, num_kv_heads, head_dim = heads
     seqs = []
@@ -226,3 +227,31 @@ def test_cached_attention_rejects_bad_indices() -> None:
     with pytest.raises(RuntimeError, match="outside the cache"):
         k = torch.randn(1, 2, 16)
         ext().write_kv_(k, k, cache, cache.clone(), torch.tensor([32]))
+
+
+@pytest.mark.skipif(os.environ.get("SPECDEC_SLOW_TESTS") != "1", reason="SPECDEC_SLOW_TESTS=1")
+@needs_kernels
+def test_the_build_without_avx512_computes_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The portable code paths (what a CPU without AVX-512 runs), compiled here with
+    ``-mno-avx512f``: a tiny model's logits as with torch's ops, linear rows row-invariant."""
+    portable = cpu_ops._build(("-mno-avx512f",), "specdec_cpu_ops_portable")
+    hf = tiny_model("qwen2")
+    model = LlamaForCausalLM.from_hf(hf.config, hf.state_dict(), 256)
+    runner = ModelRunner(model, 32, 4, torch.float32)
+    prompt = torch.randint(0, 256, (24,)).tolist()
+    table = list(range(8))
+
+    def run() -> torch.Tensor:
+        prefill = runner.forward([QueryChunk(prompt[:20], 0, table, 20)])[0]
+        decode = runner.forward([QueryChunk(prompt[20:21], 20, table, 1)])[0]
+        verify = runner.forward([QueryChunk(prompt[21:], 21, table, 3)])[0]
+        return torch.cat([prefill, decode, verify])
+
+    monkeypatch.setattr(cpu_ops, "extension_for", lambda t: portable)
+    got = run()
+    monkeypatch.setattr(cpu_ops, "extension_for", lambda t: None)
+    torch.testing.assert_close(got, run(), rtol=1e-5, atol=1e-5)
+    x, w = torch.randn(9, 40), torch.randn(7, 40)
+    rows = torch.cat([portable.linear(x[i : i + 1], w, None) for i in range(9)])
+    assert torch.equal(portable.linear(x, w, None), rows)
+    torch.testing.assert_close(rows, x @ w.T, rtol=1e-5, atol=1e-5)
