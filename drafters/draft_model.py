@@ -57,6 +57,14 @@ class DraftModelDrafter:
     def draft_class(self, seq: Sequence) -> int:
         return 1  # the draft model always has a guess, of one kind
 
+    def catch_up_tokens(self, seq: Sequence) -> int:
+        """Tokens the draft cache lacks before it can draft again for ``seq`` (at least its last
+        one; a rejected draft it fed makes the real count a little larger). A sequence it never
+        drafted for counts 1: its prompt is a one-time cost, as the target's prefill is, and
+        pricing it in one step would keep a good draft model off long prompts for good."""
+        fed = self.fed.get(seq.seq_id)
+        return 1 if fed is None else seq.num_tokens - min(len(fed), seq.num_tokens - 1)
+
     def propose(self, seqs: list[Sequence], num_drafts: list[int]) -> None:
         active, ks = [], []
         for seq, k in zip(seqs, num_drafts):

@@ -14,7 +14,8 @@ Two facts decide whether a draft is worth verifying:
   :class:`StepCostModel` times forwards of the real model at start-up, then keeps learning from
   the engine's own decode and verification steps, so it prices the batches that actually run.
   A draft model adds one of its own forwards per draft depth (``d`` drafts take ``d`` sequential
-  draft forwards), timed at start-up.
+  draft forwards), timed at start-up; the first also feeds the tokens its cache missed while it
+  was not drafting (``catch_up_tokens``), priced at that many tokens.
 
 The policy picks the depth ``d`` that maximises the expected tokens per second
 ``E(d) / t(B * (d + 1))``, where ``E(d)`` sums ``1 + a + a**2 + ...`` over each sequence's
@@ -143,10 +144,14 @@ class AdaptivePolicy:
         seqs: list[Sequence],
         max_model_len: int,
         classify: Callable[[Sequence], int] | None = None,
+        backlog: Callable[[Sequence], int] | None = None,
     ) -> list[int]:
         """Drafts for each sequence next step (0 for one still prefilling or about to end).
 
         ``classify`` is the drafter's ``draft_class`` (0: no draft to offer); None: one class.
+        ``backlog`` is a draft model's ``catch_up_tokens``: what its first forward must feed
+        before it drafts (a sequence it has not drafted for in a while has many), priced with
+        the draft cost curve at that many tokens.
         """
         limits = [self._limit(seq, max_model_len) for seq in seqs]
         classes = [classify(s) if classify and k else 1 for s, k in zip(seqs, limits)]
@@ -159,13 +164,14 @@ class AdaptivePolicy:
                 drift = CLASS_RECOVERY * (PRIOR_ACCEPTANCE - self.class_acceptance[c])
                 self.class_acceptance[c] += drift
             rates = [self._rate(s, c, tested[s.seq_id] == c) for s, c in zip(seqs, classes)]
-            ks = self._allocate(rates, limits)
+            pending = sum(backlog(s) for s, k in zip(seqs, limits) if k) if backlog else 0
+            ks = self._allocate(rates, limits, pending)
         for seq, k, c in zip(seqs, ks, classes):
             if k:
                 self.last_class[seq.seq_id] = c
         return ks
 
-    def _allocate(self, rates: list[float], limits: list[int]) -> list[int]:
+    def _allocate(self, rates: list[float], limits: list[int], pending: int = 0) -> list[int]:
         """The draft depth ``d`` that maximises expected tokens per second; each sequence then
         verifies ``min(d, its limit)`` drafts."""
         # Drafts worth verifying at all: the j-th only while its chance a**j >= MIN_CHANCE.
@@ -178,7 +184,7 @@ class AdaptivePolicy:
             expected = sum(
                 1 + sum(a**j for j in range(1, min(depth, k) + 1)) for a, k in zip(rates, useful)
             )
-            rate = expected / self._step_time(depth, len(rates))
+            rate = expected / self._step_time(depth, len(rates), pending)
             if rate > best_rate * (1 + 1e-9):
                 best_depth, best_rate = depth, rate
         return [min(best_depth, k) for k in useful]
@@ -188,11 +194,13 @@ class AdaptivePolicy:
         if self.cost is not None:
             self.cost.observe(padded_tokens, seconds)
 
-    def _step_time(self, depth: int, batch: int) -> float:
+    def _step_time(self, depth: int, batch: int, pending: int = 0) -> float:
         """A target forward of ``batch`` sequences padded to ``depth`` drafts each, plus ``depth``
-        sequential drafter forwards."""
+        sequential drafter forwards, the first of them feeding the ``pending`` catch-up tokens."""
         assert self.cost is not None
-        drafting = depth * self.draft_cost(batch) if self.draft_cost is not None else 0.0
+        drafting = 0.0
+        if self.draft_cost is not None and depth:
+            drafting = self.draft_cost(max(batch, pending)) + (depth - 1) * self.draft_cost(batch)
         return self.cost(batch * (depth + 1)) + drafting
 
     def forget(self, seq: Sequence) -> None:

@@ -63,6 +63,17 @@ def test_an_expensive_draft_model_is_not_worth_running():
     assert costly.num_drafts([seq], 1000) == [0]
 
 
+def test_a_draft_model_far_behind_pays_for_catching_up_first():
+    """A draft forward over n tokens costs n times one over a token: drafting 4 for a sequence
+    whose draft cache is 2 tokens behind pays off, 300 tokens behind it does not."""
+    seq = decoding_seq(0)
+    draft_cost = StepCostModel([(1, 0.01), (512, 5.12)])
+    policy = AdaptivePolicy(max_drafts=4, cost=FLAT, draft_cost=draft_cost)
+    assert policy.num_drafts([seq], 1000, backlog=lambda s: 2) == [4]
+    assert policy.num_drafts([seq], 1000, backlog=lambda s: 300) == [0]
+    assert policy.num_drafts([seq], 1000) == [4]  # no backlog given: one token per sequence
+
+
 def test_cost_model_learns_real_step_times_and_stays_monotone():
     cost = StepCostModel([(1, 1.0), (128, 1.1)])  # start-up guess: drafts look almost free
     for _ in range(100):  # real steps say otherwise: 48 query tokens cost twice a 32-token step
