@@ -145,21 +145,28 @@ def test_a_failed_build_warns_and_falls_back(monkeypatch: pytest.MonkeyPatch) ->
 def test_model_logits_match_the_torch_path(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A tiny model's prefill and decode logits with the kernels and with torch's ops."""
     hf = tiny_model(arch)
-    model = LlamaForCausalLM.from_hf(hf.config, hf.state_dict(), 256)
-    runner = ModelRunner(model, 32, 4, torch.float32)
     prompt = torch.randint(0, 256, (21,)).tolist()
-    table = list(range(8))
-
-    def run() -> torch.Tensor:
-        prefill = runner.forward([QueryChunk(prompt[:20], 0, table, 20)])[0]
-        decode = runner.forward([QueryChunk(prompt[20:], 20, table, 1)])[0]
-        return torch.cat([prefill, decode])
-
+    run = tiny_steps(hf, prompt)
     fused = run()
     monkeypatch.setattr(cpu_ops, "extension", lambda: None)
     torch.testing.assert_close(fused, run(), rtol=1e-5, atol=1e-5)
     expected = hf(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(fused, expected, rtol=1e-4, atol=1e-4)
+
+
+def tiny_steps(hf, prompt: list[int]):  # noqa: ANN001, ANN201
+    """A function running ``hf``'s weights on our runner: a 20-token prefill of ``prompt``, then
+    one step over the rest of it (a decode, or a verification), returning every logit row."""
+    model = LlamaForCausalLM.from_hf(hf.config, hf.state_dict(), 256)
+    runner = ModelRunner(model, 32, 4, torch.float32)
+    table = list(range(8))
+
+    def run() -> torch.Tensor:
+        prefill = runner.forward([QueryChunk(prompt[:20], 0, table, 20)])[0]
+        rest = runner.forward([QueryChunk(prompt[20:], 20, table, len(prompt) - 20)])[0]
+        return torch.cat([prefill, rest])
+
+    return run
 
 
 def paged_step(parts, caches, heads):  # noqa: ANN001, ANN201
@@ -235,18 +242,7 @@ def test_the_build_without_avx512_computes_the_same(monkeypatch: pytest.MonkeyPa
     """The portable code paths (what a CPU without AVX-512 runs), compiled here with
     ``-mno-avx512f``: a tiny model's logits as with torch's ops, linear rows row-invariant."""
     portable = cpu_ops._build(("-mno-avx512f",), "specdec_cpu_ops_portable")
-    hf = tiny_model("qwen2")
-    model = LlamaForCausalLM.from_hf(hf.config, hf.state_dict(), 256)
-    runner = ModelRunner(model, 32, 4, torch.float32)
-    prompt = torch.randint(0, 256, (24,)).tolist()
-    table = list(range(8))
-
-    def run() -> torch.Tensor:
-        prefill = runner.forward([QueryChunk(prompt[:20], 0, table, 20)])[0]
-        decode = runner.forward([QueryChunk(prompt[20:21], 20, table, 1)])[0]
-        verify = runner.forward([QueryChunk(prompt[21:], 21, table, 3)])[0]
-        return torch.cat([prefill, decode, verify])
-
+    run = tiny_steps(tiny_model("qwen2"), torch.randint(0, 256, (24,)).tolist())  # a 4-row step
     monkeypatch.setattr(cpu_ops, "extension_for", lambda t: portable)
     got = run()
     monkeypatch.setattr(cpu_ops, "extension_for", lambda t: None)
