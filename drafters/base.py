@@ -65,6 +65,10 @@ class Drafter(Protocol):
         """What kind of draft ``seq`` would get now: 0 if none; the policy keeps acceptance
         averages per class (prompt lookup: the matched n-gram's length; a draft model: 1)."""
 
+    def catch_up_tokens(self, seq: Sequence) -> int:
+        """Tokens the drafter must feed through its own model before it can draft for ``seq``
+        (0 for a drafter without one); the policy prices them (drafters/policy.py)."""
+
     def propose(self, seqs: list[Sequence], num_drafts: list[int]) -> None:
         """Set ``seq.spec_token_ids`` to at most ``num_drafts[i]`` tokens for each sequence."""
 

@@ -62,8 +62,7 @@ class DraftModelDrafter:
         one; a rejected draft it fed makes the real count a little larger). A sequence it never
         drafted for counts 1: its prompt is a one-time cost, as the target's prefill is, and
         pricing it in one step would keep a good draft model off long prompts for good."""
-        fed = self.fed.get(seq.seq_id)
-        return 1 if fed is None else seq.num_tokens - min(len(fed), seq.num_tokens - 1)
+        return 1 if seq.seq_id not in self.fed else seq.num_tokens - self._valid_prefix(seq)
 
     def propose(self, seqs: list[Sequence], num_drafts: list[int]) -> None:
         active, ks = [], []
@@ -102,12 +101,17 @@ class DraftModelDrafter:
 
     def _catch_up(self, seq: Sequence) -> QueryChunk:
         """The tokens the draft cache lacks: from the first stale position to the last token."""
-        fed = self.fed.get(seq.seq_id, [])
-        n = min(len(fed), seq.num_tokens - 1)  # always feed the last token, for its logits
-        stale = np.flatnonzero(np.asarray(fed[:n]) != np.asarray(seq.token_ids[:n]))
-        valid = int(stale[0]) if stale.size else n
+        valid = self._valid_prefix(seq)
         self.fed[seq.seq_id] = seq.token_ids[:]
         return QueryChunk(seq.token_ids[valid:], valid, seq.block_table, 1)
+
+    def _valid_prefix(self, seq: Sequence) -> int:
+        """How many leading tokens of ``seq`` the draft cache holds right (a rejected draft it
+        fed is stale), short of the last token, which is always fed for its logits."""
+        fed = self.fed.get(seq.seq_id, [])
+        n = min(len(fed), seq.num_tokens - 1)
+        stale = np.flatnonzero(np.asarray(fed[:n]) != np.asarray(seq.token_ids[:n]))
+        return int(stale[0]) if stale.size else n
 
     def _choose(self, seqs: list[Sequence], logits: torch.Tensor):  # noqa: ANN202
         """Next draft of each row, and the draft distribution q it was drawn from."""

@@ -149,9 +149,9 @@ class AdaptivePolicy:
         """Drafts for each sequence next step (0 for one still prefilling or about to end).
 
         ``classify`` is the drafter's ``draft_class`` (0: no draft to offer); None: one class.
-        ``backlog`` is a draft model's ``catch_up_tokens``: what its first forward must feed
-        before it drafts (a sequence it has not drafted for in a while has many), priced with
-        the draft cost curve at that many tokens.
+        ``backlog`` is the drafter's ``catch_up_tokens``: what a draft model's first forward
+        must feed before it drafts (a sequence it has not drafted for in a while has many),
+        priced with the draft cost curve at that many tokens.
         """
         limits = [self._limit(seq, max_model_len) for seq in seqs]
         classes = [classify(s) if classify and k else 1 for s, k in zip(seqs, limits)]

@@ -33,6 +33,9 @@ class PromptLookupDrafter:
         """
         return self._match(seq)[0]
 
+    def catch_up_tokens(self, seq: Sequence) -> int:
+        return 0  # no model of its own
+
     def propose(self, seqs: list[Sequence], num_drafts: list[int]) -> None:
         for seq, k in zip(seqs, num_drafts):
             seq.spec_token_ids = continuation(seq.token_ids, self._match(seq), k) if k else []

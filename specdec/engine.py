@@ -116,8 +116,10 @@ class Engine:
             self.drafter.forget(seq)
             self.policy.forget(seq)
         running = self.scheduler.running
-        backlog = getattr(self.drafter, "catch_up_tokens", None)  # a draft model's, if any
-        ks = self.policy.num_drafts(running, self.max_model_len, self.drafter.draft_class, backlog)
+        drafter = self.drafter
+        ks = self.policy.num_drafts(
+            running, self.max_model_len, drafter.draft_class, drafter.catch_up_tokens
+        )
         self.drafter.propose(running, ks)
 
     def _delta(self, seq: Sequence) -> RequestOutput:

@@ -31,6 +31,9 @@ class ScriptedDrafter:
     def draft_class(self, seq: Sequence) -> int:
         return 1
 
+    def catch_up_tokens(self, seq: Sequence) -> int:
+        return 0
+
     def propose(self, seqs: list[Sequence], num_drafts: list[int]) -> None:
         for seq, k in zip(seqs, num_drafts):
             future = self.reference[tuple(seq.prompt_token_ids)][seq.num_output_tokens :]
@@ -140,6 +143,9 @@ class RandomDrafter:
 
     def draft_class(self, seq):
         return 1
+
+    def catch_up_tokens(self, seq):
+        return 0
 
     def propose(self, seqs, num_drafts):
         for seq, k in zip(seqs, num_drafts):

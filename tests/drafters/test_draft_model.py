@@ -3,6 +3,7 @@
 import pytest
 
 from specdec import LLM, SamplingParams
+from specdec.sequence import Sequence
 from tests.tiny import byte_tokenizer, hf_greedy, tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
@@ -68,3 +69,20 @@ def test_vocabulary_mismatch_is_a_clear_error():
     draft = tiny_model("llama", vocab_size=320)
     with pytest.raises(ValueError, match="vocabulary .320 tokens. differs from the target's .300"):
         LLM(target, tokenizer=byte_tokenizer(), speculative=spec(draft))
+
+
+def test_catch_up_counts_what_the_draft_cache_lacks(make_llm):
+    """New sequences count 1 (their prompt is not priced); then every token the draft model has
+    not fed, from its first stale one (a rejected draft it fed) on."""
+    base = make_llm()
+    drafter = make_llm(speculative=spec(base.hf_model)).engine.drafter
+    seq = Sequence(0, list(range(12)), 12, GREEDY, eos_token_id=None)
+    assert drafter.catch_up_tokens(seq) == 1
+    drafter.fed[seq.seq_id] = list(range(5))  # fed 5 tokens, then drafting stopped
+    assert drafter.catch_up_tokens(seq) == 7
+    drafter.fed[seq.seq_id] = [0, 1, 99, 3, 4]  # position 2 held a draft that was rejected
+    assert drafter.catch_up_tokens(seq) == 10
+    drafter.fed[seq.seq_id] = list(range(20))  # all fed, and more: the last is fed again
+    assert drafter.catch_up_tokens(seq) == 1
+    drafter.forget(seq)
+    assert drafter.catch_up_tokens(seq) == 1
