@@ -5,14 +5,18 @@ transformers' ``prompt_lookup_num_tokens``): when a sequence ends with an n-gram
 earlier in its prompt or output, the tokens that followed that occurrence are a cheap, often
 correct guess of what comes next — summaries, edits and grounded answers copy from the prompt.
 Longer suffixes are tried first (``max_n`` down to ``min_n``); the most recent match with ``k``
-tokens after it wins. The
-search is vectorised over the history with numpy: no Python loop over tokens.
+tokens after it wins.
+
+The search is vectorised with numpy, no Python loop over tokens: one comparison over the
+history finds every earlier occurrence of the last token, and each longer n only filters those
+candidates. Each sequence's history is kept as an array that grows by the tokens a step
+accepted, instead of converting the whole list every step (for a 600-token sequence the search
+takes about 20 us; with ``sliding_window_view`` over every n it took about 1 ms).
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from specdec.sequence import Sequence
 
@@ -23,6 +27,8 @@ class PromptLookupDrafter:
     def __init__(self, min_n: int = 1, max_n: int = 4):
         self.min_n, self.max_n = min_n, max_n
         self._matches: dict[int, tuple[int, Match]] = {}  # seq_id -> (num_tokens, its match)
+        self._history: dict[int, np.ndarray] = {}  # seq_id -> its tokens so far (grown in place)
+        self._lengths: dict[int, int] = {}  # seq_id -> tokens of _history in use
 
     def draft_class(self, seq: Sequence) -> int:
         """The length of the suffix n-gram that matched (0: no match, nothing to propose).
@@ -45,29 +51,60 @@ class PromptLookupDrafter:
         return None  # deterministic drafts: q is one-hot
 
     def forget(self, seq: Sequence) -> None:
-        self._matches.pop(seq.seq_id, None)
+        for table in (self._matches, self._history, self._lengths):
+            table.pop(seq.seq_id, None)
 
     def _match(self, seq: Sequence) -> Match:
         cached = self._matches.get(seq.seq_id)
         if cached is not None and cached[0] == seq.num_tokens:
             return cached[1]
-        match = find_match(seq.token_ids, self.min_n, self.max_n)
+        match = find_match(self._tokens(seq), self.min_n, self.max_n)
         self._matches[seq.seq_id] = (seq.num_tokens, match)
         return match
+
+    def _tokens(self, seq: Sequence) -> np.ndarray:
+        """``seq.token_ids`` as an array, appending only what was added since the last call."""
+        tokens, length = self._history.get(seq.seq_id), self._lengths.get(seq.seq_id, 0)
+        ids = seq.token_ids
+        if (
+            tokens is None
+            or length > len(ids)
+            or (length and tokens[length - 1] != ids[length - 1])
+        ):
+            tokens, length = np.empty(0, dtype=np.int64), 0  # new, or not a prefix: start over
+        if len(ids) > len(tokens):  # grow with room to spare: amortised O(1) per token
+            grown = np.empty(2 * len(ids), dtype=np.int64)
+            grown[:length] = tokens[:length]
+            tokens = grown
+        tokens[length : len(ids)] = ids[length:]
+        self._history[seq.seq_id], self._lengths[seq.seq_id] = tokens, len(ids)
+        return tokens[: len(ids)]
 
 
 Match = tuple[int, np.ndarray]  # (n, start of every earlier occurrence of the suffix n-gram)
 
 
-def find_match(token_ids: list[int], min_n: int, max_n: int) -> Match:
-    """The longest suffix n-gram (``max_n`` down to ``min_n``) that occurred earlier, and where."""
+def find_match(token_ids: list[int] | np.ndarray, min_n: int, max_n: int) -> Match:
+    """The longest suffix n-gram (``max_n`` down to ``min_n``) that occurred earlier, and where.
+
+    Earlier means within ``token_ids[:-1]``. Every position holding the last token is a
+    candidate end; the candidates whose token ``j`` places back also equals the suffix's stay
+    in for length ``j + 1``.
+    """
     tokens = np.asarray(token_ids, dtype=np.int64)
-    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
-        windows = sliding_window_view(tokens[:-1], n)  # [L - n, n]: every earlier n-gram
-        starts = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
-        if starts.size:
-            return n, starts
-    return 0, np.empty(0, dtype=np.int64)
+    best: Match = (0, np.empty(0, dtype=np.int64))
+    if len(tokens) < 2:
+        return best
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])  # earlier 1-grams equal to the suffix's
+    for n in range(1, min(max_n, len(tokens) - 1) + 1):
+        if n > 1:
+            ends = ends[ends >= n - 1]
+            ends = ends[tokens[ends - (n - 1)] == tokens[-n]]
+        if not ends.size:
+            break
+        if n >= min_n:
+            best = (n, ends - (n - 1))
+    return best
 
 
 def continuation(token_ids: list[int], match: Match, k: int) -> list[int]:

@@ -1,5 +1,7 @@
+import random
+
 from specdec.config import SamplingParams
-from specdec.drafters.prompt_lookup import PromptLookupDrafter, lookup
+from specdec.drafters.prompt_lookup import PromptLookupDrafter, find_match, lookup
 from specdec.sequence import Sequence
 
 
@@ -38,3 +40,35 @@ def test_draft_class_is_the_matched_n_gram_and_propose_reuses_the_search():
     assert [s.spec_token_ids for s in seqs] == [[9, 9, 4], [6, 0], []]
     seqs[1].token_ids += [6, 0]  # the sequence moved on: a new search, not the cached one
     assert drafter.draft_class(seqs[1]) == 3
+
+
+def brute_force_match(tokens, min_n, max_n):
+    """Every n from max_n down: the starts of earlier occurrences of the suffix n-gram."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[-n:]
+        starts = [i for i in range(len(tokens) - n) if tokens[i : i + n] == suffix]
+        if starts:
+            return n, starts
+    return 0, []
+
+
+def test_find_match_agrees_with_a_brute_force_search():
+    rng = random.Random(0)
+    for _ in range(500):
+        tokens = [rng.randrange(rng.choice([2, 3, 6])) for _ in range(rng.randrange(1, 40))]
+        min_n = rng.randrange(1, 4)
+        max_n = rng.randrange(min_n, 6)
+        n, starts = find_match(tokens, min_n, max_n)
+        assert (n, starts.tolist()) == brute_force_match(tokens, min_n, max_n), tokens
+
+
+def test_history_array_follows_the_sequence():
+    drafter = PromptLookupDrafter(min_n=1, max_n=3)
+    seq = Sequence(0, [1, 2, 3], 3, SamplingParams())
+    for step in range(40):  # grown step by step, past its first capacity
+        assert drafter._tokens(seq).tolist() == seq.token_ids
+        seq.token_ids += [step % 5] * (step % 3)
+    seq.token_ids[-1] += 1  # not an extension of what it saw: rebuilt from the list
+    assert drafter._tokens(seq).tolist() == seq.token_ids
+    drafter.forget(seq)
+    assert seq.seq_id not in drafter._history
