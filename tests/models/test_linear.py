@@ -61,7 +61,7 @@ def test_row_linear_rows_do_not_depend_on_the_row_count(
     x = torch.randn(SMALL_ROWS + 8, features[0])
     with torch.inference_mode():
         one_by_one = torch.cat([row_linear(x[i : i + 1]) for i in range(SMALL_ROWS)])
-        for rows in (2, 3, 6, 9, 17, 35, SMALL_ROWS):  # whole 4-row tiles and every remainder
+        for rows in (2, 3, 4, 5, 6, 7, 9, 17, 35, SMALL_ROWS):  # every tile size, 1 to 6 rows
             assert torch.equal(row_linear(x[:rows]), one_by_one[:rows]), rows
         torch.testing.assert_close(one_by_one, linear(x[:SMALL_ROWS]), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(row_linear(x), linear(x))  # more rows: MKL
