@@ -9,7 +9,9 @@ distilled, see ``python -m specdec.drafters.distill``), ``transformers`` ``gener
 ``transformers`` ``generate(prompt_lookup_num_tokens=10)``. The systems take turns on each
 prompt, in order and then in reverse order, so drift in machine load hits all alike. It also
 reports each drafter's mean accepted length and acceptance rate per style, the ceiling no prompt
-lookup can pass on these outputs (:func:`lookup_ceiling`), all styles together, and the
+lookup can pass on these outputs (:func:`lookup_ceiling`), how much the outputs copy from their
+prompts by a fixed yardstick (:func:`reference_lookup`: a greedy-verified 3-gram lookup with
+``k = 8``, the figure issue #4 states its goals against), all styles together, and the
 throughput of the 32 concurrent requests of ``runtime.jsonl`` with and without prompt lookup.
 Results: ``eval/results/spec_{dtype}.{json,md}``.
 """
@@ -27,6 +29,7 @@ import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 from specdec import LLM, SamplingParams, SpecConfig
+from specdec.drafters.prompt_lookup import lookup
 from specdec.eval.prompts import load_prompts
 
 STYLES = ("summarization", "retrieval", "code_editing", "chat")
@@ -107,6 +110,30 @@ def lookup_ceiling(prompt: list[int], output: list[int], spec: SpecConfig) -> tu
     return len(output), steps
 
 
+def reference_lookup(
+    prompt: list[int], output: list[int], n: int = 3, k: int = 8
+) -> tuple[int, int]:
+    """(tokens, target steps) to produce ``output`` with a greedy-verified ``n``-gram lookup that
+    drafts ``k`` tokens at every step where the last ``n`` tokens occurred before.
+
+    A yardstick of how much a style's outputs copy from their prompts, independent of the
+    drafter's settings and policy: issue #4 expects about 1.8 tokens per step on summarization
+    and 2.2 on retrieval-grounded prompts.
+    """
+    tokens, steps, pos = prompt + output, 0, 0
+    while pos < len(output):
+        drafts = lookup(tokens[: len(prompt) + pos], k, n, n)
+        accepted = 0
+        while (
+            accepted < len(drafts)
+            and pos + accepted < len(output) - 1  # the last token comes from a step of its own
+            and drafts[accepted] == output[pos + accepted]
+        ):
+            accepted += 1
+        pos, steps = pos + accepted + 1, steps + 1
+    return len(output), steps
+
+
 def single_stream(systems: dict[str, Any], style: str, quick: bool) -> dict[str, Any]:
     records = load_prompts(style)[: 2 if quick else None]
     chat = systems["specdec"]
@@ -117,7 +144,7 @@ def single_stream(systems: dict[str, Any], style: str, quick: bool) -> dict[str,
     before = {n: _counters(systems[n]) for n in names if n.startswith("specdec+")}
     seconds = dict.fromkeys(names, 0.0)
     tokens = dict.fromkeys(names, 0)
-    ceiling = [0, 0]  # tokens, steps
+    ceiling, reference = [0, 0], [0, 0]  # tokens, steps
     identical = {n: 0 for n in names if n.startswith("specdec+")}  # outputs equal to plain's
     for prompt, record in zip(prompts, records):
         plain: list[int] = []
@@ -134,8 +161,11 @@ def single_stream(systems: dict[str, Any], style: str, quick: bool) -> dict[str,
                 spec = systems["specdec+prompt_lookup"].spec_config
                 for i, count in enumerate(lookup_ceiling(prompt, token_ids, spec)):
                     ceiling[i] += count
+                for i, count in enumerate(reference_lookup(prompt, token_ids)):
+                    reference[i] += count
     row: dict[str, Any] = {f"{n}_tok_s": tokens[n] / seconds[n] for n in names}
     row["prompt_lookup_ceiling_tokens_per_step"] = ceiling[0] / max(1, ceiling[1])
+    row["reference_3gram_tokens_per_step"] = reference[0] / max(1, reference[1])
     row.update({f"{n}_tokens": tokens[n] for n in names})
     row.update({f"{n}_seconds": seconds[n] for n in names})
     row.update({f"{n}_identical_outputs": same for n, same in identical.items()})
@@ -192,8 +222,9 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [
         "| style | "
         + " | ".join(names)
-        + " | mean accepted length | lookup ceiling | outputs identical to plain |",
-        "|---" * (len(names) + 4) + "|",
+        + " | mean accepted length | lookup ceiling | 3-gram reference"
+        + " | outputs identical to plain |",
+        "|---" * (len(names) + 5) + "|",
     ]
     for style, row in rows.items():
         cells = [f"{row[f'{n}_tok_s']:.1f} ({row[f'{n}_vs_specdec']:.2f}x)" for n in names]
@@ -203,12 +234,17 @@ def markdown(result: dict[str, Any]) -> str:
             if f"{n}_mean_accepted_length" in row
         )
         ceiling = row["prompt_lookup_ceiling_tokens_per_step"]
+        reference = row["reference_3gram_tokens_per_step"]
         same = ", ".join(
             f"{n.removeprefix('specdec+')}: {row[f'{n}_identical_outputs']}/{row['num_prompts']}"
             for n in names
             if f"{n}_identical_outputs" in row
         )
-        lines.append(f"| {style} | " + " | ".join(cells) + f" | {mal} | {ceiling:.2f} | {same} |")
+        lines.append(
+            f"| {style} | "
+            + " | ".join(cells)
+            + f" | {mal} | {ceiling:.2f} | {reference:.2f} | {same} |"
+        )
     overall = {
         n: sum(r[f"{n}_tokens"] for r in rows.values())
         / sum(r[f"{n}_seconds"] for r in rows.values())
@@ -221,7 +257,9 @@ def markdown(result: dict[str, Any]) -> str:
         "transformers' prompt lookup. Lookup ceiling: tokens per target step of an oracle "
         "that drafts, at every step, the best continuation of any earlier occurrence of the "
         "last prompt_lookup_min tokens (see lookup_ceiling): no prompt lookup can beat that "
-        "speedup on these outputs."
+        "speedup on these outputs. 3-gram reference: tokens per step of a greedy-verified "
+        "3-gram lookup drafting 8 tokens wherever it matches (see reference_lookup), a measure "
+        "of how much the outputs copy from their prompts."
     )
     c = result["concurrent"]
     lines.append(

@@ -2,7 +2,7 @@
 
 from specdec import SpecConfig
 from specdec.drafters.prompt_lookup import lookup
-from specdec.eval.bench_spec import lookup_ceiling
+from specdec.eval.bench_spec import lookup_ceiling, reference_lookup
 
 
 def test_lookup_ceiling_counts_the_steps_of_an_oracle_lookup():
@@ -20,3 +20,12 @@ def test_the_oracle_picks_the_occurrence_the_output_follows():
     prompt = [1, 2, 7, 7, 1, 2, 8, 8, 1, 2]
     assert lookup(prompt, 2, 2, 2) == [8, 8]  # the drafter takes the latest occurrence...
     assert lookup_ceiling(prompt, [7, 7, 5], spec) == (3, 1)  # ...the oracle the one that passes
+
+
+def test_reference_lookup_drafts_k_after_every_3_gram_match():
+    prompt = [1, 2, 3, 4, 5, 6, 7, 1, 2]
+    # (7, 1, 2) occurred nowhere before: 3 comes alone; (1, 2, 3) -> [4, 5, 6, 7, 1, 2, 3]:
+    # 4, 5, 6 pass, 9 != 7 -> 4 tokens; (5, 6, 9) occurred nowhere -> 1 token (8).
+    assert reference_lookup(prompt, [3, 4, 5, 6, 9, 8], n=3, k=8) == (6, 3)
+    # The last token is never a draft: it needs its own step, as in the engine.
+    assert reference_lookup(prompt, [3, 4, 5], n=3, k=8) == (3, 2)
