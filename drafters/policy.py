@@ -65,12 +65,12 @@ class StepCostModel:
     mean squares step); read back, the curve is made non-decreasing.
 
     What steps of ``N`` tokens teach is the median of the latest five times seen at that ``N``,
-    once there are three: a step the host stalled (on the 2-core VM we develop on, a step now and
-    then takes 1.5-2x as long, sometimes two in a row) must not move the curve. Taken as they came, such
-    steps priced a 1-draft verification 10-30% above a decode when it costs 1-2% more; the policy
-    then stopped verifying 1 draft, so no later step of that size could correct the knot, and a
-    third of the steps that should have drafted went without. A real change in step time passes
-    from its third step on.
+    once there are three: a step the host stalled must not move the curve (on the 2-core VM we
+    develop on, a step now and then takes 1.5-2x as long, sometimes two in a row). Taken as they
+    came, such steps priced a 1-draft verification 10-30% above a decode when it costs 1-2%
+    more; the policy then stopped verifying 1 draft, so no later step of that size could correct
+    the knot, and a third of the steps that should have drafted went without. A real change in
+    step time passes from its third step on.
     """
 
     LEARNING_RATE = 0.2  # share of a step's prediction error taken into the curve

@@ -11,7 +11,7 @@ The search is vectorised with numpy, no Python loop over tokens: one comparison 
 history finds every earlier occurrence of the last token, and each longer n only filters those
 candidates. Each sequence's history is kept as an array that grows by the tokens a step
 accepted, instead of converting the whole list every step (for a 600-token sequence the search
-takes about 20 us; with ``sliding_window_view`` over every n it took about 1 ms).
+takes about 3 us; with ``sliding_window_view`` over every n it took about 100 us).
 """
 
 from __future__ import annotations
