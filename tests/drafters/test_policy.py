@@ -102,8 +102,8 @@ def test_cost_model_ignores_stalled_steps_but_follows_a_real_change():
 
 def test_stalled_steps_do_not_price_drafts_out():
     """A stalled step (the host: 3x a normal one) must not make drafting look dear for good:
-    taken as it came, one stall at 2 query tokens priced a 1-draft step 40% above a decode, the policy
-    stopped verifying drafts, and no later step at that size could correct the curve."""
+    taken as it came, one stall at 2 query tokens priced a 1-draft step 40% above a decode, the
+    policy stopped verifying drafts, and no later step at that size could correct the curve."""
     true_cost = {1: 1.0, 2: 1.01, 3: 1.02, 4: 1.1, 5: 1.2}
     policy = AdaptivePolicy(max_drafts=4, cost=StepCostModel(list(true_cost.items())))
     seq = decoding_seq(0)
