@@ -27,8 +27,8 @@ class PromptLookupDrafter:
     def __init__(self, min_n: int = 1, max_n: int = 4):
         self.min_n, self.max_n = min_n, max_n
         self._matches: dict[int, tuple[int, Match]] = {}  # seq_id -> (num_tokens, its match)
-        self._history: dict[int, np.ndarray] = {}  # seq_id -> its tokens so far (grown in place)
-        self._lengths: dict[int, int] = {}  # seq_id -> tokens of _history in use
+        # seq_id -> (array holding its tokens so far, with room to grow; how many are in use)
+        self._history: dict[int, tuple[np.ndarray, int]] = {}
 
     def draft_class(self, seq: Sequence) -> int:
         """The length of the suffix n-gram that matched (0: no match, nothing to propose).
@@ -51,8 +51,8 @@ class PromptLookupDrafter:
         return None  # deterministic drafts: q is one-hot
 
     def forget(self, seq: Sequence) -> None:
-        for table in (self._matches, self._history, self._lengths):
-            table.pop(seq.seq_id, None)
+        self._matches.pop(seq.seq_id, None)
+        self._history.pop(seq.seq_id, None)
 
     def _match(self, seq: Sequence) -> Match:
         cached = self._matches.get(seq.seq_id)
@@ -64,20 +64,16 @@ class PromptLookupDrafter:
 
     def _tokens(self, seq: Sequence) -> np.ndarray:
         """``seq.token_ids`` as an array, appending only what was added since the last call."""
-        tokens, length = self._history.get(seq.seq_id), self._lengths.get(seq.seq_id, 0)
+        tokens, length = self._history.get(seq.seq_id, (np.empty(0, dtype=np.int64), 0))
         ids = seq.token_ids
-        if (
-            tokens is None
-            or length > len(ids)
-            or (length and tokens[length - 1] != ids[length - 1])
-        ):
-            tokens, length = np.empty(0, dtype=np.int64), 0  # new, or not a prefix: start over
+        if length > len(ids) or (length and tokens[length - 1] != ids[length - 1]):
+            tokens, length = np.empty(0, dtype=np.int64), 0  # not a prefix of it: start over
         if len(ids) > len(tokens):  # grow with room to spare: amortised O(1) per token
             grown = np.empty(2 * len(ids), dtype=np.int64)
             grown[:length] = tokens[:length]
             tokens = grown
         tokens[length : len(ids)] = ids[length:]
-        self._history[seq.seq_id], self._lengths[seq.seq_id] = tokens, len(ids)
+        self._history[seq.seq_id] = (tokens, len(ids))
         return tokens[: len(ids)]
 
 

@@ -120,7 +120,7 @@ class Engine:
         ks = self.policy.num_drafts(
             running, self.max_model_len, drafter.draft_class, drafter.catch_up_tokens
         )
-        self.drafter.propose(running, ks)
+        drafter.propose(running, ks)
 
     def _delta(self, seq: Sequence) -> RequestOutput:
         """The text and tokens ``seq`` gained since its previous delta."""

@@ -55,7 +55,7 @@ def _allocate_caches(
     from all over the pool, and one 2 MB page covers many of them."""
     numel = math.prod(shape)
     if huge_pages_available():
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         pool = huge_page_buffer(count * nbytes).view(dtype).view(count, *shape)  # zeroed
     else:
         pool = torch.zeros(count, *shape, dtype=dtype)

@@ -58,9 +58,9 @@ def move_to_huge_pages(model: nn.Module, min_bytes: int = MIN_BYTES) -> int:
         and p.is_contiguous()
         and p.numel() * p.element_size() >= min_bytes
     ]
-    sizes = [-(-p.numel() * p.element_size() // ALIGN) * ALIGN for p in params]
     if not params:
         return 0
+    sizes = [-(-p.numel() * p.element_size() // ALIGN) * ALIGN for p in params]
     arena = huge_page_buffer(sum(sizes))
     offset = 0
     for p, size in zip(params, sizes):
