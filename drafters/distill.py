@@ -23,16 +23,13 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from specdec import LLM, SamplingParams
-from specdec.eval.prompts import load_prompts
+from specdec.eval.prompts import conversation, load_prompts
 from specdec.loader import default_model_dir
 
 
 def generate_corpus(llm: LLM, samples_per_prompt: int, max_tokens: int) -> list[list[int]]:
     """Prompt + target continuation token ids, sampled at a low temperature for variety."""
-    prompts = [
-        llm.apply_chat_template([{"role": "user", "content": r["prompt"]}])
-        for r in load_prompts("distill")
-    ]
+    prompts = [llm.apply_chat_template(conversation(r)) for r in load_prompts("distill")]
     params = [
         SamplingParams(temperature=0.3, max_tokens=max_tokens, seed=s)
         for _ in prompts

@@ -14,8 +14,10 @@ For each dtype it reports, as ratios measured in this one process:
   per step over time per step, against a streaming read measured the same way in this run.
 
 Every system produces exactly the same useful tokens (EOS ignored), and throughput counts only
-those. bfloat16 runs on batch-invariant kernels, the engine's default there (exact speculation,
-see ``specdec/attention.py``); ``--no-batch-invariant`` measures the faster kernels without that
+those. The fused CPU kernels are built and every system generates once before anything is timed,
+so no one-time cost (a build, an import, a first call) enters a figure. bfloat16 runs on
+batch-invariant kernels, the engine's default there (exact speculation, see
+``specdec/attention.py``); ``--no-batch-invariant`` measures the faster kernels without that
 guarantee. Results go to ``eval/results/runtime.{json,md}``.
 """
 
@@ -31,7 +33,8 @@ from pathlib import Path
 import torch
 
 from specdec import LLM, SamplingParams
-from specdec.eval.prompts import load_prompts
+from specdec.eval.prompts import conversation, load_prompts
+from specdec.kernels import cpu_ops
 from specdec.models.hugepages import huge_page_buffer, huge_pages_available
 
 RESULTS = Path("eval/results")
@@ -106,12 +109,12 @@ def batched(llm: LLM, hf, tokenizer, requests: list[tuple[list[int], int]], repe
     def ours() -> None:
         llm.generate([p for p, _ in requests], params)
 
-    def static() -> None:
-        longest = max(len(p) for p, _ in requests)
+    def static(mix: list[tuple[list[int], int]]) -> None:
+        longest = max(len(p) for p, _ in mix)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        ids = torch.tensor([[pad] * (longest - len(p)) + p for p, _ in requests])
-        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p, _ in requests])
-        most = max(n for _, n in requests)
+        ids = torch.tensor([[pad] * (longest - len(p)) + p for p, _ in mix])
+        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p, _ in mix])
+        most = max(n for _, n in mix)
         hf.generate(
             ids,
             attention_mask=mask,
@@ -121,35 +124,44 @@ def batched(llm: LLM, hf, tokenizer, requests: list[tuple[list[int], int]], repe
             pad_token_id=pad,
         )
 
-    def continuous() -> None:
+    def continuous(mix: list[tuple[list[int], int]]) -> None:
         from transformers import GenerationConfig
 
         config = GenerationConfig(
             do_sample=False,
             eos_token_id=None,
             pad_token_id=0,
-            max_new_tokens=max(n for _, n in requests),
+            max_new_tokens=max(n for _, n in mix),
         )
         with hf.continuous_batching_context_manager(
             generation_config=config, block=True, timeout=5
         ) as manager:
-            ids = [manager.add_request(p, max_new_tokens=n) for p, n in requests]
+            ids = [manager.add_request(p, max_new_tokens=n) for p, n in mix]
             done: set[str] = set()
             while len(done) < len(ids):
                 result = manager.get_result(timeout=1)
                 if result is not None and result.is_finished():
                     done.add(result.request_id)
 
-    ours()  # warm up
+    # Warm up, untimed: specdec on the whole mix, and
+    # transformers, which allocates anew at every call, on two short requests.
+    warm_up = [(p, 4) for p, _ in requests[:2]]
+    ours()
+    static(warm_up)
+    continuous(warm_up)
     t: dict[str, list[float]] = {"specdec": [], "hf_static": [], "hf_continuous": []}
     for _ in range(repeats):
         t["specdec"].append(_timed(ours))
-        t["hf_static"].append(_timed(static))
-        t["hf_continuous"].append(_timed(continuous))
+        t["hf_static"].append(_timed(lambda: static(requests)))
+        t["hf_continuous"].append(_timed(lambda: continuous(requests)))
     med = {k: statistics.median(v) for k, v in t.items()}
+    prompt_tokens = [len(p) for p, _ in requests]
     return {
         "num_requests": len(requests),
         "useful_tokens": useful,
+        "prompt_tokens_min": min(prompt_tokens),
+        "prompt_tokens_median": statistics.median(prompt_tokens),
+        "prompt_tokens_max": max(prompt_tokens),
         **{f"{k}_tok_s": useful / v for k, v in med.items()},
         "speedup_vs_hf_static": med["hf_static"] / med["specdec"],
         "speedup_vs_hf_continuous": med["hf_continuous"] / med["specdec"],
@@ -161,14 +173,13 @@ def run_dtype(dtype: str, quick: bool, batch_invariant: bool | None = None) -> d
 
     from specdec.loader import default_model_dir
 
-    llm = LLM(dtype=dtype, batch_invariant=batch_invariant)
+    kernels = cpu_ops.extension() is not None  # built (or loaded) here, before anything is timed
+    # No prefix caching: every timed run of the mix recomputes its prompts, as transformers does.
+    llm = LLM(dtype=dtype, batch_invariant=batch_invariant, enable_prefix_caching=False)
     hf = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=llm.dtype).eval()
     records = load_prompts("runtime")[: 8 if quick else None]
     requests = [
-        (
-            llm.apply_chat_template([{"role": "user", "content": r["prompt"]}]),
-            r["max_tokens"] // (4 if quick else 1),
-        )
+        (llm.apply_chat_template(conversation(r)), r["max_tokens"] // (4 if quick else 1))
         for r in records
     ]
     print(f"[{dtype}] single stream ...", flush=True)
@@ -182,24 +193,37 @@ def run_dtype(dtype: str, quick: bool, batch_invariant: bool | None = None) -> d
     single["stream_read_gb_s"] = read
     single["bandwidth_fraction"] = weights / (single["decode_step_ms"] / 1e3) / 1e9 / read
     invariant = llm.engine.runner.model.batch_invariant
-    return {"dtype": dtype, "batch_invariant": invariant, "single_stream": single, "batched": batch}
+    return {
+        "dtype": dtype,
+        "batch_invariant": invariant,
+        "cpu_kernels": kernels,
+        "single_stream": single,
+        "batched": batch,
+    }
 
 
 def markdown(results: list[dict]) -> str:
+    mix = results[0]["batched"]
     lines = [
         "| dtype | single-stream tok/s (specdec / HF) | speedup | bandwidth used | "
-        "32-req tok/s specdec | vs HF static | vs HF continuous |",
+        f"{mix['num_requests']}-req tok/s specdec | vs HF static | vs HF continuous |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in results:
         s, b = r["single_stream"], r["batched"]
+        kernels = "" if r.get("cpu_kernels", True) else " (no CPU kernels)"
         lines.append(
-            f"| {r['dtype']}{' (batch-invariant)' if r.get('batch_invariant') else ''} | "
+            f"| {r['dtype']}{' (batch-invariant)' if r.get('batch_invariant') else ''}{kernels} | "
             f"{s['specdec_tok_s']:.1f} / {s['hf_generate_tok_s']:.1f} | "
             f"{s['speedup_vs_hf_generate']:.2f}x | {s['bandwidth_fraction']:.0%} of "
             f"{s['stream_read_gb_s']:.1f} GB/s | {b['specdec_tok_s']:.1f} | "
             f"{b['speedup_vs_hf_static']:.2f}x | {b['speedup_vs_hf_continuous']:.2f}x |"
         )
+    lines.append(
+        f"\nThe {mix['num_requests']} requests: prompts of {mix['prompt_tokens_min']} to "
+        f"{mix['prompt_tokens_max']} tokens (median {mix['prompt_tokens_median']:g}), "
+        f"{mix['useful_tokens']} output tokens in all."
+    )
     return "\n".join(lines) + "\n"
 
 

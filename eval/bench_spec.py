@@ -1,18 +1,21 @@
 """Speculative decoding benchmark: which drafter pays off, per prompt style, side by side.
 
-    python -m specdec.eval.bench_spec [--dtype bfloat16] [--draft-model DIR] [--quick]
+    python -m specdec.eval.bench_spec [--dtype bfloat16] [--draft-model DIR]
+        [--prompts-per-style N] [--quick]
 
 On the default model, for each prompt style (``eval/prompts/{summarization,retrieval,
-code_editing,chat}.jsonl``) it times single-stream greedy generation of every prompt with: the
-engine without speculation, with prompt lookup, with a draft model (when one is given or has been
-distilled, see ``python -m specdec.drafters.distill``), ``transformers`` ``generate``, and
-``transformers`` ``generate(prompt_lookup_num_tokens=10)``. The systems take turns on each
-prompt, in order and then in reverse order, so drift in machine load hits all alike. It also
-reports each drafter's mean accepted length and acceptance rate per style, the ceiling no prompt
-lookup can pass on these outputs (:func:`lookup_ceiling`), how much the outputs copy from their
-prompts by a fixed yardstick (:func:`reference_lookup`: a greedy-verified 3-gram lookup with
-``k = 8``, the figure issue #4 states its goals against), all styles together, and the
-throughput of the 32 concurrent requests of ``runtime.jsonl`` with and without prompt lookup.
+code_editing,chat,math,translation}.jsonl``) it times single-stream greedy generation of the
+first ``N`` prompts (default 5, 0 takes all) with: the engine without speculation, with prompt
+lookup, with a draft model (when one is given or has been distilled, see ``python -m
+specdec.drafters.distill``), ``transformers`` ``generate``, and ``transformers``
+``generate(prompt_lookup_num_tokens=10)``. The fused CPU kernels are built and every system
+generates once before anything is timed, so no one-time cost enters a figure. The systems take
+turns on each prompt, in order and then in reverse order, so drift in machine load hits all
+alike. It also reports each drafter's mean accepted length and acceptance rate per style, the
+ceiling no prompt lookup can pass on these outputs (:func:`lookup_ceiling`), how much the outputs
+copy from their prompts by a fixed yardstick (:func:`reference_lookup`: a greedy-verified 3-gram
+lookup with ``k = 8``, the figure issue #4 states its goals against), all styles together, and
+the throughput of the 32 concurrent requests of ``runtime.jsonl`` with and without prompt lookup.
 Results: ``eval/results/spec_{dtype}.{json,md}``.
 """
 
@@ -30,10 +33,11 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from specdec import LLM, SamplingParams, SpecConfig
 from specdec.drafters.prompt_lookup import lookup
-from specdec.eval.prompts import load_prompts
+from specdec.eval.prompts import STYLES, conversation, load_prompts
+from specdec.kernels import cpu_ops
 
-STYLES = ("summarization", "retrieval", "code_editing", "chat")
 RESULTS = Path("eval/results")
+WARM_UP_PROMPT = [*range(1000, 1032)] * 2  # repeats itself, so prompt lookup drafts and verifies
 
 
 def build_systems(dtype: str, draft_model: str | None) -> dict[str, Any]:
@@ -41,7 +45,7 @@ def build_systems(dtype: str, draft_model: str | None) -> dict[str, Any]:
 
     from specdec.loader import default_model_dir
 
-    options: dict[str, Any] = {"dtype": dtype, "kv_cache_memory_gb": 0.25}
+    options: dict[str, Any] = {"dtype": dtype, "kv_cache_memory_gb": 1.0}
     systems: dict[str, Any] = {
         "specdec": LLM(**options),
         "specdec+prompt_lookup": LLM(**options, speculative={"drafter": "prompt_lookup"}),
@@ -134,12 +138,11 @@ def reference_lookup(
     return len(output), steps
 
 
-def single_stream(systems: dict[str, Any], style: str, quick: bool) -> dict[str, Any]:
-    records = load_prompts(style)[: 2 if quick else None]
+def single_stream(
+    systems: dict[str, Any], records: list[dict[str, Any]], quick: bool
+) -> dict[str, Any]:
     chat = systems["specdec"]
-    prompts = [
-        chat.apply_chat_template([{"role": "user", "content": r["prompt"]}]) for r in records
-    ]
+    prompts = [chat.apply_chat_template(conversation(r)) for r in records]
     names = [*systems, "hf+prompt_lookup"]
     before = {n: _counters(systems[n]) for n in names if n.startswith("specdec+")}
     seconds = dict.fromkeys(names, 0.0)
@@ -188,9 +191,7 @@ def _counters(llm: LLM) -> tuple[int, int, int]:
 def concurrent(systems: dict[str, Any], quick: bool) -> dict[str, float]:
     records = load_prompts("runtime")[: 8 if quick else None]
     chat = systems["specdec"]
-    prompts = [
-        chat.apply_chat_template([{"role": "user", "content": r["prompt"]}]) for r in records
-    ]
+    prompts = [chat.apply_chat_template(conversation(r)) for r in records]
     params = [
         SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in records
     ]
@@ -268,8 +269,12 @@ def markdown(result: dict[str, Any]) -> str:
         f"({c['prompt_lookup_vs_specdec']:.2f}x); outputs identical to plain: "
         f"{c['identical_outputs']}/{c['num_requests']}."
     )
-    return f"dtype {result['dtype']}, tokens/s (ratio to specdec without speculation)\n\n" + (
-        "\n".join(lines) + "\n"
+    n = result["prompts_per_style"]
+    prompts = f"the first {n} prompts" if n else "all prompts"
+    kernels = "" if result["cpu_kernels"] else ", WITHOUT the fused CPU kernels (torch fallback)"
+    return (
+        f"dtype {result['dtype']}{kernels}, {prompts} of each style, "
+        "tokens/s (ratio to specdec without speculation)\n\n" + "\n".join(lines) + "\n"
     )
 
 
@@ -277,17 +282,36 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--draft-model", default=None, help="HF directory of a draft model")
+    parser.add_argument(
+        "--prompts-per-style",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the first N prompts of each style (default 5, 2 with --quick; 0: all)",
+    )
     parser.add_argument("--quick", action="store_true", help="2 prompts per style, short outputs")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    per_style = args.prompts_per_style
+    if per_style is None:
+        per_style = 2 if args.quick else 5
+    if per_style < 0:
+        parser.error("--prompts-per-style must be 0 (all) or more")
+    result: dict[str, Any] = {
+        "dtype": args.dtype,
+        "prompts_per_style": per_style,
+        "cpu_kernels": cpu_ops.extension() is not None,  # built (or loaded) here, untimed
+        "single_stream": {},
+    }
     systems = build_systems(args.dtype, args.draft_model)
     with torch.inference_mode():
         for name in [*systems, "hf+prompt_lookup"]:  # warm up every system
-            run_once(name, systems["hf" if name.startswith("hf") else name], [1, 2, 3], 4)
-        result: dict[str, Any] = {"dtype": args.dtype, "single_stream": {}}
+            system = systems["hf" if name.startswith("hf") else name]
+            run_once(name, system, WARM_UP_PROMPT, 8)
         for style in STYLES:
             print(f"[{args.dtype}] {style} ...", flush=True)
-            result["single_stream"][style] = single_stream(systems, style, args.quick)
+            records = load_prompts(style)[: per_style or None]
+            result["single_stream"][style] = single_stream(systems, records, args.quick)
         print(f"[{args.dtype}] concurrent requests ...", flush=True)
         result["concurrent"] = concurrent(systems, args.quick)
     args.out.mkdir(parents=True, exist_ok=True)
