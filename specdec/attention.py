@@ -139,12 +139,11 @@ class AttentionMetadata:
         seqs = range(len(query_lens))
         fresh = [] if invariant else [i for i in seqs if query_lens[i] == context_lens[i]]
         cached = [i for i in seqs if invariant or query_lens[i] != context_lens[i]]
-        if invariant:  # a wide query (a prompt chunk) alone, so nothing is padded to its width
-            narrow = [i for i in cached if query_lens[i] <= NARROW_QUERY]
-            parts = [narrow] if narrow else []
-            parts += [[i] for i in cached if query_lens[i] > NARROW_QUERY]
-        else:
-            parts = [cached] if cached else []
+        # Decodes and verifications share one group; a wide query (a prompt chunk) is a group
+        # of its own, so that nothing is padded to its width.
+        narrow = [i for i in cached if query_lens[i] <= NARROW_QUERY]
+        parts = [narrow] if narrow else []
+        parts += [[i] for i in cached if query_lens[i] > NARROW_QUERY]
         groups = [
             QueryGroup.build(
                 [query_lens[i] for i in part],
