@@ -8,11 +8,11 @@ split into groups so that little work is wasted on padding:
 
 * *fresh* sequences, whose whole context is computed this step (a prompt with no cached prefix),
   attend causally to their own new K/V and never read the cache;
-* the others (decodes, draft verification, later prefill chunks, prefix-cache hits) are padded
-  to one batch and attend to K/V read from the cache through their block tables. On the CPU a
-  batch of at most :data:`NARROW_QUERY` queries per sequence (decodes and verifications) runs as
-  one fused C++ call that reads keys by slot (``kernels/cpu_ops.cpp``); wider batches use
-  torch's SDPA on gathered K/V.
+* the others attend to K/V read from the cache through their block tables: sequences of at
+  most :data:`NARROW_QUERY` queries (decodes and verifications) padded into one group, which
+  on the CPU runs as one fused C++ call that reads keys by slot (``kernels/cpu_ops.cpp``); and
+  each wider query (a later prefill chunk, a prompt after a prefix-cache hit) as a group of its
+  own, through torch's SDPA on gathered K/V, so that no decode is padded to a chunk's width.
 
 **Batch-invariant mode** (``invariant=True``, the default for bfloat16): a query row's output is
 bitwise the same whatever else the step holds: how many drafts its sequence verifies, which other
