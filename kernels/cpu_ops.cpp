@@ -4,7 +4,8 @@
 // and the dispatcher's working set; each small torch op after a matrix product then costs
 // 5-40 us instead of 1-2. These kernels do in one call what takes torch 2 to 9 calls: RMSNorm
 // (with the residual add before it), SiLU(gate) * up, RoPE on q and k in place, the K/V cache
-// write, attention to keys read by slot from the paged cache, and float32 linears of few rows.
+// write, and attention to keys read by slot from the paged cache. Linears are in cpu_linear.cpp;
+// the loads and sums both files share are in cpu_simd.h.
 //
 // Every row is computed alone, in an order that does not depend on how many rows a call holds,
 // so results are batch-invariant. Elementwise steps round to the tensor's dtype exactly where
@@ -14,6 +15,8 @@
 // code path a row can take, and 16-lane sums added in one fixed tree (sum_lanes).
 
 #include <torch/extension.h>
+
+#include "cpu_simd.h"
 
 #include <ATen/Parallel.h>
 
@@ -29,85 +32,7 @@
 
 namespace {
 
-using at::BFloat16;
-
-template <typename T>
-inline float load(const T* p, int64_t i) {
-  return static_cast<float>(p[i]);
-}
-
-// x rounded to T, returned as float: what a torch op producing a T tensor hands the next op.
-template <typename T>
-inline float round_to(float x) {
-  return static_cast<float>(static_cast<T>(x));
-}
-
-constexpr int kLanes = 16;  // float32 lanes of one AVX-512 register; fixes the summation order
-
-// e^x for float32, in straight-line arithmetic that vectorises (glibc's expf does not): x =
-// n ln2 + r with |r| <= ln2 / 2 (ln2 split in two for an exact n ln2), e^r by its degree-7
-// Taylor polynomial (error below 1e-8, so within an ulp), times 2^n built in the exponent bits.
-// Below -87.3 it gives 0 and above 88 infinity (expf underflows and overflows a little further).
-inline float exp_approx(float x) {
-  const float clamped = std::min(std::max(x, -87.3f), 88.0f);
-  const float n = std::nearbyint(clamped * 1.44269504088896341f);
-  const float r = (clamped - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  __builtin_memcpy(&two_n, &bits, sizeof(two_n));
-  const float y = p * two_n;
-  return x < -87.3f ? 0.0f : (x > 88.0f ? __builtin_inff() : y);
-}
-
-// The lanes of a 16-lane sum added in a fixed tree (halves, quarters, then pairs).
-inline float sum_lanes(const float* lanes) {
-  float half[8], quarter[4];
-  for (int i = 0; i < 8; i++) half[i] = lanes[i] + lanes[i + 8];
-  for (int i = 0; i < 4; i++) quarter[i] = half[i] + half[i + 4];
-  return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
-}
-
-#if defined(__AVX512F__)
-// The 16 lane sums of v[0..15], as sum_lanes adds them (the same pairs at each level), for all
-// 16 at once: shuffles bring the pairs of one level into matching lanes, one add per level and
-// pair of vectors. Lane j of the result is sum_lanes(v[j]).
-inline __m512 sum_lanes16(const __m512* v) {
-  __m512 half[8], quarter[4], eighth[2];
-  for (int i = 0; i < 8; i++) {  // lanes l and l + 8: [v0 l0-7 | v1 l0-7] + [v0 l8-15 | v1 l8-15]
-    const __m512 a = v[2 * i], b = v[2 * i + 1];
-    half[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-  }
-  for (int i = 0; i < 4; i++) {  // halves h and h + 4: 128-bit lanes 0, 2 against 1, 3
-    const __m512 a = half[2 * i], b = half[2 * i + 1];
-    quarter[i] =
-        _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
-  }
-  for (int i = 0; i < 2; i++) {  // quarters q0 + q2 and q1 + q3, within each 128-bit lane
-    const __m512 a = quarter[2 * i], b = quarter[2 * i + 1];
-    eighth[i] = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
-  }
-  const __m512 total = _mm512_add_ps(_mm512_shuffle_ps(eighth[0], eighth[1], 0x88),
-                                     _mm512_shuffle_ps(eighth[0], eighth[1], 0xDD));
-  // total holds the sums in the order the shuffles left them; put sum j in lane j
-  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
-  return _mm512_permutexvar_ps(order, total);
-}
-
-// 16 elements of p as float32.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-#endif
+using namespace specdec_cpu;
 
 // Sum of squares of one row, in float32: 16 running sums over the row, then added in order.
 template <typename T>
@@ -464,159 +389,6 @@ void write_kv_rows(const T* k, const T* v, int64_t k_stride, int64_t v_stride, T
   }
 }
 
-// y = x @ w^T (+ bias) for a few rows of x, float32, where MKL runs well below the memory
-// bandwidth (a matrix-vector product per row) or the multiply-add rate (2 to 64 rows).
-//
-// Each (row, feature) output is a dot product summed in kLanes lanes in input order, with one
-// fused multiply-add per lane and step, then the lanes added in a fixed tree: its bits depend
-// on nothing but that row and that feature, whatever the row count. A thread takes blocks of
-// kOutBlock features; within a block, tiles of up to kTileRows rows keep rows * kOutBlock sums in
-// registers, so each weight vector loaded serves several rows. The rows are cut into as few
-// tiles as can hold them, of nearly equal size: 5 rows run as one tile, not as 4 and then 1
-// (a second pass over the block for a single row: a step's linears took 25.6 ms, not 24.3).
-// While the block's first rows run, the next block's weights are prefetched into L2, to keep the
-// memory stream busy.
-constexpr int64_t kOutBlock = 4;
-constexpr int64_t kRowBlock = 4;  // rows per pass of the last out % kOutBlock features
-constexpr int64_t kTileRows = 6;  // 6 * kOutBlock = 24 sums + 4 weight vectors + 1 input: 29 zmm
-
-
-#if defined(__AVX512F__)
-// R <= kTileRows rows by kOutBlock features: R * kOutBlock sums in registers.
-template <int R>
-inline void linear_tile(const float* x, const float* w, const float* bias, float* y, int64_t in,
-                        int64_t out, int64_t m0, int64_t n0, bool prefetch) {
-  constexpr int B = kOutBlock;
-  constexpr int N = (R * B + 15) / 16 * 16;  // sums reduced 16 at a time (the rest stay zero)
-  __m512 acc[N];
-  for (int i = 0; i < N; i++) acc[i] = _mm512_setzero_ps();
-  const float* wb = w + n0 * in;
-  const float* next = wb + B * in;  // the next block's weights (past the end: prefetch is a hint)
-  int64_t k = 0;
-  for (; k + kLanes <= in; k += kLanes) {
-    __m512 wv[B];
-    for (int b = 0; b < B; b++) {
-      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(next + b * in + k), _MM_HINT_T1);
-      wv[b] = _mm512_loadu_ps(wb + b * in + k);
-    }
-    for (int r = 0; r < R; r++) {
-      const __m512 xv = _mm512_loadu_ps(x + (m0 + r) * in + k);
-      for (int b = 0; b < B; b++) acc[r * B + b] = _mm512_fmadd_ps(xv, wv[b], acc[r * B + b]);
-    }
-  }
-  if (k < in) {  // the last in % 16 inputs; masked lanes add fma(0, 0, sum) = sum
-    const __mmask16 mask = static_cast<__mmask16>((1u << (in - k)) - 1);
-    for (int r = 0; r < R; r++) {
-      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + (m0 + r) * in + k);
-      for (int b = 0; b < B; b++)
-        acc[r * B + b] =
-            _mm512_fmadd_ps(xv, _mm512_maskz_loadu_ps(mask, wb + b * in + k), acc[r * B + b]);
-    }
-  }
-  float sums[N];
-  for (int i = 0; i < N; i += 16) _mm512_storeu_ps(sums + i, sum_lanes16(acc + i));
-  for (int r = 0; r < R; r++)
-    for (int b = 0; b < B; b++) {
-      const float total = sums[r * B + b];
-      y[(m0 + r) * out + n0 + b] = bias ? total + bias[n0 + b] : total;
-    }
-}
-
-// The last out % kOutBlock features: one at a time, each sum as sum_lanes adds it.
-template <int R>
-inline void linear_tail_feature(const float* x, const float* w, const float* bias, float* y,
-                                int64_t in, int64_t out, int64_t m0, int64_t n) {
-  for (int r = 0; r < R; r++) {
-    __m512 acc = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + kLanes <= in; k += kLanes)
-      acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + (m0 + r) * in + k),
-                            _mm512_loadu_ps(w + n * in + k), acc);
-    if (k < in) {
-      const __mmask16 mask = static_cast<__mmask16>((1u << (in - k)) - 1);
-      acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + (m0 + r) * in + k),
-                            _mm512_maskz_loadu_ps(mask, w + n * in + k), acc);
-    }
-    float lanes[kLanes];
-    _mm512_storeu_ps(lanes, acc);
-    const float total = sum_lanes(lanes);
-    y[(m0 + r) * out + n] = bias ? total + bias[n] : total;
-  }
-}
-#else
-// Without AVX-512: the same lanes and tree, a multiply and an add per step (no fusion here).
-typedef float lanes_t __attribute__((vector_size(kLanes * sizeof(float))));
-
-template <int R, int B>
-inline void linear_rows_scalar(const float* x, const float* w, const float* bias, float* y,
-                               int64_t in, int64_t out, int64_t m0, int64_t n0) {
-  for (int r = 0; r < R; r++) {
-    const float* xm = x + (m0 + r) * in;
-    for (int b = 0; b < B; b++) {
-      const float* wn = w + (n0 + b) * in;
-      lanes_t acc = lanes_t{};
-      int64_t k = 0;
-      for (; k + kLanes <= in; k += kLanes) {
-        lanes_t xv, wv;
-        __builtin_memcpy(&xv, xm + k, sizeof(xv));
-        __builtin_memcpy(&wv, wn + k, sizeof(wv));
-        acc += xv * wv;
-      }
-      float lanes[kLanes];
-      __builtin_memcpy(lanes, &acc, sizeof(lanes));
-      for (int64_t t = k; t < in; t++) lanes[t - k] += xm[t] * wn[t];
-      const float total = sum_lanes(lanes);
-      y[(m0 + r) * out + n0 + b] = bias ? total + bias[n0 + b] : total;
-    }
-  }
-}
-
-template <int R>
-inline void linear_tile(const float* x, const float* w, const float* bias, float* y, int64_t in,
-                        int64_t out, int64_t m0, int64_t n0, bool /*prefetch*/) {
-  linear_rows_scalar<R, kOutBlock>(x, w, bias, y, in, out, m0, n0);
-}
-
-template <int R>
-inline void linear_tail_feature(const float* x, const float* w, const float* bias, float* y,
-                                int64_t in, int64_t out, int64_t m0, int64_t n) {
-  linear_rows_scalar<R, 1>(x, w, bias, y, in, out, m0, n);
-}
-#endif
-
-inline void linear_feature_block(const float* x, const float* w, const float* bias, float* y,
-                                 int64_t rows, int64_t in, int64_t out, int64_t n0) {
-  const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
-  for (int64_t t = 0, m = 0; t < tiles; t++) {
-    const int64_t size = (rows - m + (tiles - t) - 1) / (tiles - t);  // even split, larger first
-    const bool first = m == 0;
-    switch (size) {
-      case 6: linear_tile<6>(x, w, bias, y, in, out, m, n0, first); break;
-      case 5: linear_tile<5>(x, w, bias, y, in, out, m, n0, first); break;
-      case 4: linear_tile<4>(x, w, bias, y, in, out, m, n0, first); break;
-      case 3: linear_tile<3>(x, w, bias, y, in, out, m, n0, first); break;
-      case 2: linear_tile<2>(x, w, bias, y, in, out, m, n0, first); break;
-      default: linear_tile<1>(x, w, bias, y, in, out, m, n0, first); break;
-    }
-    m += size;
-  }
-}
-
-void linear_rows(const float* x, const float* w, const float* bias, float* y, int64_t rows,
-                 int64_t in, int64_t out) {
-  const int64_t blocks = out / kOutBlock;
-  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t blk = begin; blk < end; blk++)
-      linear_feature_block(x, w, bias, y, rows, in, out, blk * kOutBlock);
-  });
-  for (int64_t n = blocks * kOutBlock; n < out; n++) {
-    int64_t m = 0;
-    for (; m + kRowBlock <= rows; m += kRowBlock)
-      linear_tail_feature<kRowBlock>(x, w, bias, y, in, out, m, n);
-    for (; m < rows; m++) linear_tail_feature<1>(x, w, bias, y, in, out, m, n);
-  }
-}
-
 void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
   TORCH_CHECK(t.dim() == 2, name, " must be 2-D [rows, features]");
@@ -764,28 +536,15 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   return out;
 }
 
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
-                     const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() &&
-                  x.scalar_type() == at::kFloat,
-              "x must be a contiguous 2-D float32 CPU tensor");
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kFloat &&
-                  weight.size(1) == x.size(1),
-              "weight must be a contiguous float32 [out, in] matrix matching x");
-  const float* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == at::kFloat &&
-                    bias->numel() == weight.size(0),
-                "bias must be float32 with one entry per output feature");
-    b = bias->data_ptr<float>();
-  }
-  auto y = torch::empty({x.size(0), weight.size(0)}, x.options());
-  linear_rows(x.data_ptr<float>(), weight.data_ptr<float>(), b, y.data_ptr<float>(), x.size(0),
-              x.size(1), weight.size(0));
-  return y;
-}
-
 }  // namespace
+
+// cpu_linear.cpp
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
+                     const c10::optional<torch::Tensor>& bias);
+
+// cpu_sampling.cpp
+torch::Tensor exponential_noise(const torch::Tensor& keys, int64_t vocab);
+torch::Tensor noise_uniforms(const torch::Tensor& keys, int64_t vocab);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "weight * RMSNorm(x), per row");
@@ -795,4 +554,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x @ weight.T + bias for a few float32 rows");
   m.def("write_kv_", &write_kv_, "store each token's k and v rows at its cache slot");
   m.def("cached_attention", &cached_attention, "a padded group's attention to cached keys");
+  m.def("exponential_noise", &exponential_noise, "Exp(1) noise [keys, vocab], counter-based");
+  m.def("noise_uniforms", &noise_uniforms, "the uniforms behind exponential_noise, float64");
 }

@@ -10,7 +10,8 @@ the product with ``up``, RoPE on q and k in place, the K/V write into the paged 
 attends decode and verification queries to keys read by slot from the cache, with no gathered
 copy (scores, softmax and sums in float32). Together they made single-stream float32 decode
 about 1.2x faster. Its float32 matrix-vector product serves few-row linears
-(:class:`specdec.models.linear.RowLinear`).
+(:class:`specdec.models.linear.RowLinear`). ``cpu_sampling.cpp`` draws the sampler's noise
+(:func:`exponential_noise`).
 
 The extension is compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler and
 ``ninja`` are needed) into ``$SPECDEC_CACHE/extensions``; later processes load the built
@@ -33,15 +34,22 @@ import os
 import pathlib
 import platform
 import shutil
+import sys
 import warnings
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-SOURCE = pathlib.Path(__file__).with_name("cpu_ops.cpp")
+SOURCES = [
+    pathlib.Path(__file__).with_name(n)
+    for n in ("cpu_ops.cpp", "cpu_linear.cpp", "cpu_sampling.cpp")
+]
+HEADER = pathlib.Path(__file__).with_name("cpu_simd.h")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
+GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment, 2**64 / the golden ratio, odd
+MIX_MULTIPLIERS = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)  # its finaliser's (Stafford's Mix13)
 
 
 # --- references: the torch formulas, as transformers writes them --------------------------------
@@ -75,6 +83,33 @@ def rope_reference(
     c, s = cos.unsqueeze(1), sin.unsqueeze(1)  # [rows, 1, head_dim]
     rotated = torch.cat((-part[..., half:], part[..., :half]), dim=-1)  # rotate_half
     part.copy_(part * c + rotated * s)
+
+
+def exponential_noise_reference(
+    keys: torch.Tensor,  # [N] int64, each a 64-bit key's bits
+    vocab: int,
+    uniforms: bool = False,
+) -> torch.Tensor:  # [N, V] float32 E, or float64 u (exact) with ``uniforms``
+    """:func:`exponential_noise` in int64 torch arithmetic: multiplies and adds wrap mod 2**64
+    as uint64 ones do, and a logical right shift is the arithmetic one masked to its low bits."""
+    gamma, (mix1, mix2) = as_int64(GOLDEN_GAMMA), map(as_int64, MIX_MULTIPLIERS)
+    counters = torch.arange(1, vocab + 1, dtype=torch.int64) * gamma  # [V] (v + 1) * gamma
+    z = keys.cpu().to(torch.int64).unsqueeze(1) + counters  # [N, V]
+    z = (z ^ _shift_right(z, 30)) * mix1
+    z = (z ^ _shift_right(z, 27)) * mix2
+    index = _shift_right(z ^ _shift_right(z, 31), 40)  # [N, V] the top 24 bits
+    u = (2 * index + 1).double() * 2.0**-25  # (index + 0.5) / 2**24, exact in float64
+    return u if uniforms else (-torch.log(u)).float()
+
+
+def as_int64(bits: int) -> int:
+    """The int64 whose two's complement bits are the 64-bit ``bits``."""
+    return bits - (1 << 64) if bits >= 1 << 63 else bits
+
+
+def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """``z >> bits`` on unsigned 64-bit patterns held as int64 (torch's ``>>`` keeps the sign)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
 
 
 # --- the public ops -----------------------------------------------------------------------------
@@ -115,6 +150,36 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, hea
         ext.rope_(x, cos, sin, heads, head_dim)
     else:
         rope_reference(x, cos, sin, heads, head_dim)
+
+
+def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise [N, V] float32: row i is a function of the 64-bit key ``keys[i]`` alone.
+
+    ``keys`` [N] int64 holds each key's bits (a key ``>= 2**63`` as its negative int64). Token v of
+    key s takes the v-th output of the SplitMix64 stream seeded at s (Steele, Lea and Flood 2014,
+    "Fast splittable pseudorandom number generators"), keeps its top 24 bits and centres them::
+
+        mix(z) = z ^ z >> 31 after z = (z ^ z >> 30) * M1, z = (z ^ z >> 27) * M2  (mod 2**64)
+        u_v = ((mix(s + (v + 1) * GOLDEN_GAMMA mod 2**64) >> 40) + 0.5) / 2**24
+        E_v = -log(u_v), rounded to float32
+
+    with ``M1, M2 = MIX_MULTIPLIERS``, the constants of :func:`specdec.sampling.splitmix64`.
+    ``u_v`` lies in [2**-25, 1 - 2**-25], strictly inside (0, 1), so ``E_v`` is finite and positive
+    (at most 25 ln 2 = 17.3). The stream is counter-based, like Philox (Salmon et al. 2011,
+    "Parallel random numbers: as easy as 1, 2, 3"): any token of any row is computed directly
+    from (s, v), independently and identically on any device, with no generator state to carry.
+    Two keys that differ by ``j * GOLDEN_GAMMA`` with ``|j| < V`` share a stretch of their
+    streams, shifted; the sampler's keys are SplitMix64 outputs, so a pair does so with
+    probability about ``2V / 2**64``.
+
+    The kernel's uniforms are :func:`exponential_noise_reference`'s bit for bit. Its float32 log
+    is not torch's: over all 2**24 uniforms it is within 1.4 ulp of ``-log(u_v)`` and one ulp of
+    the reference (which rounds torch's float64 log), the same bits with or without AVX-512.
+    """
+    ext = extension()
+    if ext is None:
+        return exponential_noise_reference(keys, vocab)
+    return ext.exponential_noise(keys.cpu().to(torch.int64), vocab)
 
 
 # --- loading ------------------------------------------------------------------------------------
@@ -166,13 +231,21 @@ def _build(extra_flags: tuple[str, ...] = (), name: str = "specdec_cpu_ops") -> 
     # One directory per source, flags, torch version and CPU (the build is -march=native), so an
     # upgrade or a cache shared between machines never loads a stale or foreign build.
     flags = [*FLAGS, *extra_flags]
-    identity = [SOURCE.read_text(), *flags, torch.__version__, platform.machine(), _cpu_flags()]
+    texts = [p.read_text() for p in (*SOURCES, HEADER)]
+    identity = [*texts, *flags, torch.__version__, platform.machine(), _cpu_flags()]
     key = hashlib.sha256("\n".join(identity).encode()).hexdigest()[:16]
     build_dir = cache_dir() / "extensions" / f"cpu_ops-{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
+    if not any(build_dir.glob(f"{name}*.so")):  # say so: the first generate would seem to hang
+        print(
+            f"specdec: compiling the CPU kernels once for this machine (about a minute) "
+            f"into {build_dir}",
+            file=sys.stderr,
+            flush=True,
+        )
     return cpp_extension.load(
         name=name,
-        sources=[str(SOURCE)],
+        sources=[str(p) for p in SOURCES],
         extra_cflags=flags,
         extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir),
@@ -186,3 +259,7 @@ def _cpu_flags() -> str:
             return next((line for line in info if line.startswith("flags")), "")
     except OSError:
         return platform.processor()
+
+
+if __name__ == "__main__":  # `python -m specdec.kernels.cpu_ops`: build now (make install does)
+    sys.exit(0 if enabled() else 1)

@@ -1,24 +1,21 @@
-"""Linear layers with their weights packed once for oneDNN, for bfloat16 on the CPU.
+"""Linear layers for the CPU: oneDNN-packed bfloat16 weights, and the row-invariant C++ kernel.
 
 ``F.linear`` on bfloat16 CPU tensors hands every call to oneDNN with the weight in its plain
 ``[out, in]`` layout, and a single-token decode step makes about 120 such calls. Packing each
 weight once, into the blocked layout oneDNN's bf16 GEMM kernels read, is what PyTorch's Inductor
 does when it freezes a CPU graph (``torch.ops.mkldnn._reorder_linear_weight`` and
-``_linear_pointwise``). On SmolLM2-135M it cut the time in the linears of a decode step by about
-a third, and the time stays nearly flat from 1 to 32 query rows, so verifying drafts costs
-little more than a plain step (``python -m specdec.eval.bench_runtime`` shows the step times).
+``_linear_pointwise``); :class:`PackedLinear` does that for bfloat16 models that need not be
+batch-invariant.
 
-Float32 keeps its plain weights: MKL's GEMV is faster at one row than the packed kernel there,
-and packing for the multi-row steps would mean a second copy of every weight. Steps of at most
-``SMALL_ROWS`` rows (decodes, verifications, batches of up to 64 sequences) go to the fused CPU
-kernel (:class:`RowLinear`), which gives each row the same bits whatever the row count and,
-with the weights on huge pages, ran the linears of a whole SmolLM2-135M step 1.15x MKL's speed
-at one row, 2x at 9 rows, 1.3x at 32 and 1.14x at 64 (it repacks nothing per call, where MKL's
-GEMM packs the weights it reads); larger steps (prefill chunks) go to MKL.
-
-For batch-invariant models (see :mod:`specdec.attention`) a packed linear takes its input in
-tiles of at most ``INVARIANT_TILE_ROWS`` rows: oneDNN keeps each row's bits the same for any row
-count up to that, and switches to a kernel that sums in another order above it.
+:class:`RowLinear` runs the C++ kernel of ``kernels/cpu_linear.cpp``, which gives each row the
+same bits whatever the row count. Float32 models use it for steps of at most ``SMALL_ROWS`` rows
+(decodes, verifications, batches of up to 64 sequences), where it beats MKL (which repacks the
+weights it reads on every call); larger float32 steps (prefill chunks) go to MKL. Batch-invariant
+models (see :mod:`specdec.attention`) use it for every row count, in both dtypes: oneDNN's bf16
+GEMM keeps a row's bits across row counts on some CPUs (up to 32 rows with AMX) but not on
+others (AVX512-BF16 without AMX: a down projection's rows change from 4 rows per call on), so
+exactness cannot rest on it. Without the C++ kernels, invariant bf16 linears fall back to
+packed oneDNN calls of at most ``INVARIANT_TILE_ROWS`` rows, which holds on AMX CPUs only.
 """
 
 from __future__ import annotations
@@ -31,6 +28,7 @@ from specdec.kernels import cpu_ops
 
 INVARIANT_TILE_ROWS = 32  # most rows per bf16 oneDNN call for which every row's bits are fixed
 SMALL_ROWS = 64  # most rows a float32 RowLinear hands to the fused kernel; MKL is faster above
+KERNEL = (torch.float32, torch.bfloat16)  # dtypes of the C++ linear kernel
 
 
 def can_prepack(dtype: torch.dtype) -> bool:
@@ -88,32 +86,43 @@ def prepack_linears(model: nn.Module, invariant: bool = False) -> int:
 
 
 class RowLinear(nn.Module):
-    """A float32 ``nn.Linear`` whose steps of few rows run the fused CPU matrix-vector kernel."""
+    """An ``nn.Linear`` whose steps of at most ``max_rows`` rows (``None``: any number) run the
+    row-invariant C++ kernel; larger steps, or a machine without the kernels, run ``F.linear``."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, max_rows: int | None = SMALL_ROWS):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # the same parameter: a tied embedding stays tied
         self.bias = linear.bias
+        self.max_rows = max_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, in] -> [N, out]
-        kernels = cpu_ops.extension_for(x) if x.shape[0] <= SMALL_ROWS else None
-        if kernels is not None and x.dtype == torch.float32 and x.is_contiguous():
+        few = self.max_rows is None or x.shape[0] <= self.max_rows
+        kernels = cpu_ops.extension_for(x) if few else None
+        if kernels is not None and x.dtype == self.weight.dtype and x.is_contiguous():
             return kernels.linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}"
+        rows = "any" if self.max_rows is None else f"<= {self.max_rows}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, rows {rows}"
 
 
-def use_row_kernels(model: nn.Module) -> int:
-    """Replace every float32 ``nn.Linear`` in ``model`` by a :class:`RowLinear`; return how many."""
+def use_row_kernels(model: nn.Module, invariant: bool = False) -> int:
+    """Replace linears by :class:`RowLinear`s; return how many.
+
+    Float32 linears take the kernel for few rows. With ``invariant`` and the C++ kernels built,
+    bfloat16 linears take it for every row count, so that no row depends on the batch.
+    """
+    all_rows = invariant and cpu_ops.enabled()
     swaps = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if isinstance(child, nn.Linear) and child.weight.dtype == torch.float32
+        if isinstance(child, nn.Linear)
+        and (child.weight.dtype == torch.float32 or (all_rows and child.weight.dtype in KERNEL))
     ]
     for parent, name, child in swaps:
-        setattr(parent, name, RowLinear(child))
+        max_rows = None if all_rows else SMALL_ROWS
+        setattr(parent, name, RowLinear(child, max_rows))
     return len(swaps)

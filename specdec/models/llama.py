@@ -253,9 +253,10 @@ class LlamaForCausalLM(nn.Module):
                 "load with dtype='bfloat16' or pass batch_invariant=False"
             )
         model.batch_invariant = supported if batch_invariant is None else batch_invariant
-        # bf16 on a oneDNN build: packed weights (see models/linear.py)
+        # float32 few-row steps, and every invariant step, on the C++ row kernel; the other bf16
+        # linears on oneDNN-packed weights (see models/linear.py)
+        use_row_kernels(model, invariant=model.batch_invariant)
         prepack_linears(model, invariant=model.batch_invariant)
-        use_row_kernels(model)  # float32: few-row steps on the fused CPU kernel
         move_to_huge_pages(model)  # weights streamed from 2 MB pages (see models/hugepages.py)
         return model.eval().requires_grad_(False)
 

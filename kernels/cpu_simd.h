@@ -1,0 +1,98 @@
+// Shared pieces of the CPU kernels (cpu_ops.cpp, cpu_linear.cpp): loads that widen to float32,
+// rounding as torch rounds, a vectorisable exp, and the fixed tree in which 16 lane sums are
+// added. Every kernel that sums uses these, so a sum's order is written down in one place.
+#pragma once
+
+#include <torch/extension.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+namespace specdec_cpu {
+
+using at::BFloat16;
+
+template <typename T>
+inline float load(const T* p, int64_t i) {
+  return static_cast<float>(p[i]);
+}
+
+// x rounded to T, returned as float: what a torch op producing a T tensor hands the next op.
+template <typename T>
+inline float round_to(float x) {
+  return static_cast<float>(static_cast<T>(x));
+}
+
+constexpr int kLanes = 16;  // float32 lanes of one AVX-512 register; fixes the summation order
+
+// e^x for float32, in straight-line arithmetic that vectorises (glibc's expf does not): x =
+// n ln2 + r with |r| <= ln2 / 2 (ln2 split in two for an exact n ln2), e^r by its degree-7
+// Taylor polynomial (error below 1e-8, so within an ulp), times 2^n built in the exponent bits.
+// Below -87.3 it gives 0 and above 88 infinity (expf underflows and overflows a little further).
+inline float exp_approx(float x) {
+  const float clamped = std::min(std::max(x, -87.3f), 88.0f);
+  const float n = std::nearbyint(clamped * 1.44269504088896341f);
+  const float r = (clamped - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  __builtin_memcpy(&two_n, &bits, sizeof(two_n));
+  const float y = p * two_n;
+  return x < -87.3f ? 0.0f : (x > 88.0f ? __builtin_inff() : y);
+}
+
+// The lanes of a 16-lane sum added in a fixed tree (halves, quarters, then pairs).
+inline float sum_lanes(const float* lanes) {
+  float half[8], quarter[4];
+  for (int i = 0; i < 8; i++) half[i] = lanes[i] + lanes[i + 8];
+  for (int i = 0; i < 4; i++) quarter[i] = half[i] + half[i + 4];
+  return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
+}
+
+#if defined(__AVX512F__)
+// The 16 lane sums of v[0..15], as sum_lanes adds them (the same pairs at each level), for all
+// 16 at once: shuffles bring the pairs of one level into matching lanes, one add per level and
+// pair of vectors. Lane j of the result is sum_lanes(v[j]).
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 half[8], quarter[4], eighth[2];
+  for (int i = 0; i < 8; i++) {  // lanes l and l + 8: [v0 l0-7 | v1 l0-7] + [v0 l8-15 | v1 l8-15]
+    const __m512 a = v[2 * i], b = v[2 * i + 1];
+    half[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  }
+  for (int i = 0; i < 4; i++) {  // halves h and h + 4: 128-bit lanes 0, 2 against 1, 3
+    const __m512 a = half[2 * i], b = half[2 * i + 1];
+    quarter[i] =
+        _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+  }
+  for (int i = 0; i < 2; i++) {  // quarters q0 + q2 and q1 + q3, within each 128-bit lane
+    const __m512 a = quarter[2 * i], b = quarter[2 * i + 1];
+    eighth[i] = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
+  }
+  const __m512 total = _mm512_add_ps(_mm512_shuffle_ps(eighth[0], eighth[1], 0x88),
+                                     _mm512_shuffle_ps(eighth[0], eighth[1], 0xDD));
+  // total holds the sums in the order the shuffles left them; put sum j in lane j
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  return _mm512_permutexvar_ps(order, total);
+}
+
+// 16 elements of p as float32.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#endif
+
+}  // namespace specdec_cpu
