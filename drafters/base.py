@@ -2,8 +2,8 @@
 
 A *drafter* proposes, after each step, up to ``k`` tokens that each running sequence is likely
 to produce next; it writes them to ``seq.spec_token_ids``. The next step feeds them to the target
-as extra query tokens and the verifier keeps the longest prefix that exact rejection sampling
-accepts, so the output never depends on what was drafted, only the speed does.
+as extra query tokens and the verifier keeps drafts while they equal the target's own samples
+(specdec/verifier.py), so the output never depends on what was drafted, only the speed does.
 """
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from typing import Any, Protocol
-
-import torch
 
 from specdec.sequence import Sequence
 
@@ -71,9 +69,6 @@ class Drafter(Protocol):
 
     def propose(self, seqs: list[Sequence], num_drafts: list[int]) -> None:
         """Set ``seq.spec_token_ids`` to at most ``num_drafts[i]`` tokens for each sequence."""
-
-    def draft_probs(self, seqs: list[Sequence]) -> torch.Tensor | None:
-        """``[T, V]`` draft distributions of the scheduled drafts, or None (deterministic)."""
 
     def forget(self, seq: Sequence) -> None:
         """Drop any state kept for a sequence that finished or was preempted."""

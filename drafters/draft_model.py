@@ -4,9 +4,22 @@ The draft model shares the target's vocabulary and its block tables: it gets KV 
 own, indexed by the same block ids, so one block table per sequence serves both models. Each step
 it first catches up on the tokens the target accepted since it last ran (one batched forward over
 every sequence's new tokens, which also yields the first draft), then proposes the remaining
-drafts one batched forward at a time. Greedy requests take the draft's argmax; sampled requests
-sample from the draft distribution, processed exactly like the target's, and keep it for the
-verifier's min(1, p/q) test.
+drafts one batched forward at a time.
+
+Drafts are chosen by :func:`specdec.sampling.next_tokens`, the target's own rule, on the draft's
+logits: greedy requests take the draft's argmax; sampled requests take the winner of the
+exponential race over the draft distribution ``q`` (processed exactly like the target's ``p``)
+with the noise of the position drafted, the very noise the target's race at that position uses.
+This *Gumbel-max coupling* (Daliri, Musco and Suresh 2024, "Coupling without Communication and
+Drafter-Invariant Speculative Decoding") makes the draft equal the target's token whenever the
+two races have the same winner, and the verifier accepts a draft exactly then
+(specdec/verifier.py), so nothing about ``q`` needs to be kept. A draft is accepted with
+probability ``P(race winner of q == race winner of p)``, which lies between
+``(1 - TV) / (1 + TV)`` and the ``1 - TV(p, q)`` of the optimal ``min(1, p / q)`` rule with
+independently sampled drafts. We accept that small loss for what it buys: the emitted tokens are
+the target's race winners, so a seeded request's output is identical to plain decoding with the
+same seed, whatever the draft model, the draft depth or the batch; and ``q`` never leaves the
+drafter.
 
 Which positions of the draft cache are valid is found by comparing the tokens the draft was fed
 with the sequence's tokens: after a rejection, the first mismatch marks where the cache goes
@@ -18,14 +31,13 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 
 from specdec.drafters.base import SpecConfig
 from specdec.engine import Engine
 from specdec.loader import load_checkpoint
 from specdec.models.llama import LlamaForCausalLM
 from specdec.runner import ModelRunner, QueryChunk
-from specdec.sampling import process_logits_for, sample
+from specdec.sampling import next_tokens
 from specdec.scheduler import Scheduler
 from specdec.sequence import Sequence
 
@@ -37,7 +49,6 @@ class DraftModelDrafter:
         self.runner = runner
         self.scheduler = scheduler
         self.fed: dict[int, list[int]] = {}  # seq_id -> tokens whose draft KV is cached, in order
-        self.probs: dict[int, torch.Tensor] = {}  # seq_id -> [k, V] q of its current drafts
 
     @staticmethod
     def build(spec: SpecConfig, engine: Engine, target_config: Any) -> DraftModelDrafter:
@@ -80,24 +91,22 @@ class DraftModelDrafter:
     def _draft(self, seqs: list[Sequence], ks: list[int]) -> None:
         """Catch up and draft ``ks[i]`` tokens for each sequence, batched across sequences."""
         chunks = [self._catch_up(seq) for seq in seqs]
-        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         live = list(range(len(seqs)))  # sequences still drafting
         for j in range(max(ks)):
             logits, _ = self.runner.forward([chunks[i] for i in live])  # [len(live), V]
-            tokens, q = self._choose([seqs[i] for i in live], logits)
+            drafting = [seqs[i] for i in live]
+            keys = [(seq.seed, seq.num_tokens + j) for seq in drafting]  # the drafted positions
+            tokens = next_tokens(logits, [seq.params for seq in drafting], keys)
             next_live = []
-            for row, i in enumerate(live):
-                seq, token = seqs[i], int(tokens[row])
+            for i, token in zip(live, tokens):
+                seq = seqs[i]
                 seq.spec_token_ids.append(token)
-                probs[i].append(q[row])
                 if j + 1 < ks[i]:
                     position = seq.num_tokens + j
                     self.fed[seq.seq_id].append(token)
                     chunks[i] = QueryChunk([token], position, seq.block_table, 1)
                     next_live.append(i)
             live = next_live
-        for seq, seq_probs in zip(seqs, probs):
-            self.probs[seq.seq_id] = torch.stack(seq_probs)
 
     def _catch_up(self, seq: Sequence) -> QueryChunk:
         """The tokens the draft cache lacks: from the first stale position to the last token."""
@@ -113,23 +122,8 @@ class DraftModelDrafter:
         stale = np.flatnonzero(np.asarray(fed[:n]) != np.asarray(seq.token_ids[:n]))
         return int(stale[0]) if stale.size else n
 
-    def _choose(self, seqs: list[Sequence], logits: torch.Tensor):  # noqa: ANN202
-        """Next draft of each row, and the draft distribution q it was drawn from."""
-        params = [s.params for s in seqs]
-        q = process_logits_for(logits, params)
-        tokens = logits.argmax(dim=-1)
-        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
-        if random_rows:
-            tokens[random_rows] = sample(q[random_rows], [seqs[i].generator for i in random_rows])
-        return tokens.tolist(), q
-
-    def draft_probs(self, seqs: list[Sequence]) -> torch.Tensor | None:
-        rows = [self.probs[s.seq_id][: len(s.spec_token_ids)] for s in seqs if s.spec_token_ids]
-        return torch.cat(rows).contiguous() if rows else None
-
     def forget(self, seq: Sequence) -> None:
         self.fed.pop(seq.seq_id, None)
-        self.probs.pop(seq.seq_id, None)
 
 
 def _check_vocabulary(

@@ -27,4 +27,3 @@ def enable_speculation(engine: Engine, spec: SpecConfig, target_config: Any) -> 
             draft_cost = StepCostModel.measure(draft_runner.dummy_forward, sizes=(1, 8, 32))
     engine.drafter = drafter
     engine.policy = AdaptivePolicy(spec.num_speculative_tokens, cost, draft_cost)
-    engine.verifier.drafter = drafter

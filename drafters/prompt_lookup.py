@@ -47,9 +47,6 @@ class PromptLookupDrafter:
             seq.spec_token_ids = continuation(seq.token_ids, self._match(seq), k) if k else []
         self._matches.clear()
 
-    def draft_probs(self, seqs: list[Sequence]) -> None:
-        return None  # deterministic drafts: q is one-hot
-
     def forget(self, seq: Sequence) -> None:
         self._matches.pop(seq.seq_id, None)
         self._history.pop(seq.seq_id, None)

@@ -49,7 +49,7 @@ class Engine:
         self.runner = ModelRunner(model, num_blocks, config.block_size, dtype)
         self.drafter = drafter
         self.policy = policy
-        self.verifier = Verifier(drafter)
+        self.verifier = Verifier()
         self.detokenizer = Detokenizer(tokenizer)
         self.eos_token_id = tokenizer.eos_token_id
         self.requests: dict[int, Sequence] = {}

@@ -8,6 +8,10 @@ Terms (vLLM's):
         tokens after the last token; rejected ones are rolled back by lowering
         ``num_computed_tokens`` (their KV slots are simply overwritten later).
     block_table: the KV block ids holding this sequence's tokens, in order.
+    seed: the request's noise seed: ``SamplingParams.seed``, or one drawn from torch's global RNG
+        when the sequence is created (so ``torch.manual_seed`` makes unseeded runs reproducible and
+        unseeded requests stay independent). Each sampled token's noise is keyed by the seed and
+        the token's position (:func:`specdec.sampling.exponential_noise`); greedy rows ignore it.
 """
 
 from __future__ import annotations
@@ -64,12 +68,12 @@ class Sequence:
     finish_reason: str | None = None  # "stop" or "length" once finished
     num_returned_tokens: int = 0  # output tokens already handed back in deltas
     output_text: str = ""  # detokenized output so far (stop strings already cut off)
-    generator: torch.Generator | None = None  # from params.seed; None uses the global RNG
     metrics: SequenceMetrics = field(default_factory=SequenceMetrics)
+    seed: int = field(init=False)  # noise seed: params.seed, else drawn at creation
 
     def __post_init__(self) -> None:
-        if self.params.seed is not None and self.generator is None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+        seed = self.params.seed
+        self.seed = int(torch.randint(2**63 - 1, ())) if seed is None else seed
         if not self.metrics.arrival_time:
             self.metrics.arrival_time = time.perf_counter()
 

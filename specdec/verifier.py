@@ -1,25 +1,48 @@
 """The verification front: from a step's logits to the tokens each sequence emits.
 
-Plain sampling is verification with no drafts. A sequence with ``k`` drafts gets ``k + 1`` logit
-rows (one per draft position, then its bonus position); :func:`specdec.verify.rejection_sample`
-accepts or rejects its drafts against the target distribution and draws one more token
-(recovered at the first rejection, or the bonus token after all accepted). Every random row's
-distribution comes from :func:`specdec.sampling.process_logits`, the same function whether or not
-a sequence speculates, so speculation cannot change what is sampled. Greedy rows keep their raw
-logits: only their argmax is read, exactly as plain greedy decoding reads it.
+A sequence with ``k`` drafts gets ``k + 1`` logit rows: one per draft position, then its bonus
+position. Plain sampling is the case ``k = 0``, through the same code and the same noise.
+
+Terms:
+    row token: the token plain decoding would emit at a row, given the tokens before it
+        (:func:`specdec.sampling.next_tokens`): the argmax of the raw logits for a greedy request;
+        for a sampled one, the winner of the exponential race over the row's ``process_logits``
+        distribution ``p``, with the noise keyed by the request's seed and the row's position.
+    accepted draft: a draft equal to its row's token (and every draft before it accepted).
+    recovered token: the row token at the first draft that differs from it; the sequence stops.
+    bonus token: the row token after the last draft, when all ``k`` drafts were accepted.
+
+A sequence emits its row tokens up to and including the first mismatch, or up to its bonus token:
+the tokens plain decoding with the same seed emits at those positions, whatever was drafted (bit
+for bit when the logits are, see ``EngineConfig.batch_invariant``). So a seeded request's output
+depends on neither the drafter, nor the draft depth, nor the batch.
+
+Why this is exact rejection sampling (Leviathan et al. 2023; Chen et al. 2023). A deterministic
+drafter (prompt lookup, a greedy draft model) fixes the draft ``d`` of a position from the tokens
+before it, independently of that position's noise, so the row token ``X`` follows ``p`` and:
+the draft is accepted with probability ``P(X = d) = p(d)``, which is ``min(1, p(d) / q(d))`` for
+the one-hot ``q`` at ``d``; after a rejection, ``X`` given ``X != d`` follows ``p`` without ``d``,
+renormalised, which is ``norm(max(0, p - q))``, the recovered distribution; and the bonus token
+is ``X ~ p``. A drafter with randomness of its own is the same case given that randomness. A
+drafter that samples with the same keyed noise (drafters/draft_model.py) only changes how often
+drafts are accepted; what is emitted is still the row tokens. The general ``min(1, p / q)`` rule
+stays in :func:`specdec.verify.rejection_sample`, which the engine does not call.
+
+Rows after a mismatch are never sampled: drawing a sampled row's noise costs far more than
+comparing its token, so the walk goes one draft position at a time across the batch.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
 
 from specdec.runner import StepResult
-from specdec.sampling import process_logits_for, sample
+from specdec.sampling import next_tokens
 from specdec.scheduler import SchedulerOutput
 from specdec.sequence import Sequence
-from specdec.verify import rejection_sample
 
 
 @dataclass(slots=True)
@@ -66,88 +89,52 @@ class SpecStats:
 
 
 class Verifier:
-    def __init__(self, drafter=None):  # noqa: ANN001 - a Drafter, or None without speculation
-        self.drafter = drafter
+    def __init__(self) -> None:
         self.stats = SpecStats()
 
     def verify(self, out: SchedulerOutput, res: StepResult) -> list[list[int]]:
         """Return, for every scheduled sequence, the tokens it emits this step (maybe none)."""
         emitted: list[list[int]] = [[] for _ in out.seqs]
         seqs = [out.seqs[i] for i in res.sample_indices]
-        if not seqs:
-            return emitted
-        if all(n == 1 for n in res.num_logit_rows):
-            tokens = [[t] for t in self._sample(seqs, res.logits)]
-        else:
-            tokens = self._verify_drafts(seqs, res)
+        tokens = self._walk(seqs, res.logits, res.num_logit_rows)
         for i, seq_tokens in zip(res.sample_indices, tokens):
             emitted[i] = seq_tokens
+        num_drafts = [n - 1 for n in res.num_logit_rows]
+        self.stats.record(num_drafts, [len(t) - 1 for t in tokens])
         return emitted
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:  # [S, V]
-        """One token per sequence: argmax for greedy rows, the processed distribution otherwise."""
-        tokens = logits.argmax(dim=-1)  # [S]
-        random_rows = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
-        if random_rows:
-            probs = process_logits_for(logits[random_rows], [seqs[i].params for i in random_rows])
-            tokens[random_rows] = sample(probs, [seqs[i].generator for i in random_rows])
-        return tokens.tolist()
-
-    def _verify_drafts(self, seqs: list[Sequence], res: StepResult) -> list[list[int]]:
-        num_drafts = [n - 1 for n in res.num_logit_rows]
-        starts = [0]  # first logit row of each sequence
-        for n in res.num_logit_rows:
-            starts.append(starts[-1] + n)
+    def _walk(
+        self,
+        seqs: list[Sequence],  # [S]
+        logits: torch.Tensor,  # [M, V] per sequence its draft rows, then its bonus row
+        num_rows: list[int],  # [S] rows of each sequence (its drafts + 1)
+    ) -> list[list[int]]:
+        """Each sequence's accepted drafts, then its recovered or bonus token."""
+        starts = [0, *itertools.accumulate(num_rows)]  # first row of each sequence
         tokens: list[list[int]] = [[] for _ in seqs]
-        num_accepted = [0] * len(seqs)
-        greedy = [i for i, s in enumerate(seqs) if s.params.is_greedy]
-        if greedy:
-            logits = res.logits  # every row greedy: no gather
-            if len(greedy) < len(seqs):
-                logits = logits[[r for i in greedy for r in range(starts[i], starts[i + 1])]]
-            argmax = logits.argmax(dim=-1).tolist()  # one per greedy row, in order
-            offset = 0
-            for i in greedy:
-                n = starts[i + 1] - starts[i]
-                tokens[i] = _accept_greedy(seqs[i].spec_token_ids, argmax[offset : offset + n])
-                num_accepted[i] = len(tokens[i]) - 1
-                offset += n
-        sampled = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
-        if sampled:
-            for i, seq_tokens in zip(sampled, self._rejection_sample(seqs, res, sampled, starts)):
-                tokens[i] = seq_tokens
-                num_accepted[i] = len(seq_tokens) - 1
-        self.stats.record(num_drafts, num_accepted)
+        live = list(range(len(seqs)))  # sequences whose drafts so far were all accepted
+        j = 0  # draft position
+        while live:
+            row_tokens = self._row_tokens(
+                [seqs[i] for i in live], logits[[starts[i] + j for i in live]], j
+            )
+            for i, token in zip(live, row_tokens):
+                tokens[i].append(token)
+            live = [
+                i
+                for i, token in zip(live, row_tokens)
+                if j + 1 < num_rows[i] and seqs[i].spec_token_ids[j] == token
+            ]
+            j += 1
         return tokens
 
-    def _rejection_sample(
-        self, seqs: list[Sequence], res: StepResult, sampled: list[int], starts: list[int]
-    ) -> list[list[int]]:
-        """Exact rejection sampling (specdec/verify.py) for the sampled sequences ``sampled``."""
-        chosen = [seqs[i] for i in sampled]
-        rows = [r for i in sampled for r in range(starts[i], starts[i + 1])]
-        row_params = [seqs[i].params for i in sampled for _ in range(starts[i], starts[i + 1])]
-        target = process_logits_for(res.logits[rows], row_params)  # [T + B, V]
-        draft_ids = torch.tensor([t for s in chosen for t in s.spec_token_ids], dtype=torch.long)
-        cu = torch.tensor([len(s.spec_token_ids) for s in chosen], dtype=torch.long).cumsum(0)
-        draft_probs = self.drafter.draft_probs(chosen) if self.drafter is not None else None
-        result = rejection_sample(
-            draft_ids,
-            cu,
-            draft_probs,
-            target,
-            torch.zeros(len(chosen), dtype=torch.bool),
-            [s.generator for s in chosen],
-        )
-        counts = result.num_emitted_tokens.tolist()
-        return [row[:n] for row, n in zip(result.output_token_ids.tolist(), counts)]
-
-
-def _accept_greedy(drafts: list[int], argmax: list[int]) -> list[int]:
-    """Greedy verification: keep drafts while each equals the target's argmax at its position,
-    then add the argmax at the first mismatch (or the bonus position). This is what rejection
-    sampling does when p is one-hot (kernels/rejection.py treats greedy rows the same way)."""
-    m = 0
-    while m < len(drafts) and drafts[m] == argmax[m]:
-        m += 1
-    return drafts[:m] + [argmax[m]]
+    def _row_tokens(
+        self,
+        seqs: list[Sequence],  # [L]
+        logits: torch.Tensor,  # [L, V] each sequence's row at draft position j
+        j: int,
+    ) -> list[int]:
+        """The row token of each sequence at draft position ``j`` (its bonus row when ``j == k``):
+        the token at position ``num_tokens + j`` of its token ids."""
+        keys = [(seq.seed, seq.num_tokens + j) for seq in seqs]
+        return next_tokens(logits, [seq.params for seq in seqs], keys)

@@ -1,11 +1,12 @@
-"""The sampler draws from the processed distribution: a statistical test that can fail."""
+"""The sampler draws from the processed distribution (a statistical test that can fail), with
+noise keyed by (seed, position)."""
 
 import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdec.sampling import process_logits, sample
+from specdec.sampling import exponential_noise, noise_seed, process_logits, sample, splitmix64
 
 LOGITS = torch.tensor([2.0, 1.5, 1.4, 1.0, 0.5, 0.3, 0.0, -0.2, -1.0, -3.0, 0.9, 1.2])
 NUM_SAMPLES = 200_000
@@ -44,8 +45,7 @@ def draw(temperature, top_k, top_p, min_p, seed=0):
         torch.full((n,), top_p),
         torch.full((n,), min_p),
     )
-    torch.manual_seed(seed)
-    tokens = sample(probs, [None] * n)
+    tokens = sample(probs, [(seed, position) for position in range(n)])
     return np.bincount(tokens.numpy(), minlength=len(LOGITS))
 
 
@@ -92,10 +92,19 @@ def test_process_logits_is_row_wise():
     np.testing.assert_allclose(probs[0].numpy(), expected_probs(0.5, 3, 1.0, 0.0), atol=1e-6)
 
 
-def test_seeded_rows_draw_only_from_their_generator():
-    probs = torch.softmax(LOGITS, -1).repeat(4, 1)
-    gen = lambda: torch.Generator().manual_seed(7)  # noqa: E731
-    first = sample(probs, [gen(), None, None, gen()])
-    torch.manual_seed(123)
-    second = sample(probs, [gen(), None, None, gen()])
-    assert first[0] == second[0] == first[3] == second[3]
+def test_noise_is_keyed_by_seed_and_position():
+    keys = [(7, 3), (7, 4), (8, 3), (7, 3)]
+    noise = exponential_noise(keys, 50)  # [4, 50]
+    torch.manual_seed(123)  # the global RNG plays no part
+    alone = exponential_noise([(7, 3)], 50)[0]
+    assert torch.equal(noise[0], noise[3]) and torch.equal(noise[0], alone)
+    assert not torch.equal(noise[0], noise[1])  # another position
+    assert not torch.equal(noise[0], noise[2])  # another seed
+    assert noise.dtype == torch.float32 and bool((noise > 0).all())
+
+
+def test_noise_seed_mixes_seed_and_position():
+    assert splitmix64(0) == 0xE220A8397B1DCDAF  # SplitMix64's first output for seed 0
+    assert noise_seed(7, 4) != noise_seed(8, 3)  # no collision along seed + position
+    assert noise_seed(-1, 0) == noise_seed(2**64 - 1, 0)  # seeds are taken mod 2**64
+    assert len({noise_seed(s, p) for s in range(50) for p in range(50)}) == 2500

@@ -4,25 +4,26 @@ from __future__ import annotations
 
 import torch
 
+from specdec import verifier as verifier_module
 from specdec.config import SamplingParams
 from specdec.runner import StepResult
-from specdec.sampling import process_logits_for
 from specdec.scheduler import SchedulerOutput
 from specdec.sequence import Sequence
 from specdec.verifier import Verifier
-from specdec.verify import rejection_sample
 
 VOCAB = 11
 
 
 def make_step(
-    specs: list[tuple[list[int], SamplingParams]], logits: torch.Tensor
+    specs: list[tuple[list[int], SamplingParams]],
+    logits: torch.Tensor,
+    prompt: tuple[int, ...] = (1, 2, 3),
 ) -> tuple[SchedulerOutput, StepResult]:
     """A decode step: each sequence feeds its last token plus its drafts, all of them sample."""
     seqs = []
     for i, (drafts, params) in enumerate(specs):
-        seq = Sequence(i, [1, 2, 3], 3, params)
-        seq.num_computed_tokens, seq.spec_token_ids = 2, list(drafts)
+        seq = Sequence(i, list(prompt), len(prompt), params)
+        seq.num_computed_tokens, seq.spec_token_ids = len(prompt) - 1, list(drafts)
         seqs.append(seq)
     rows = [len(d) + 1 for d, _ in specs]
     out = SchedulerOutput(seqs, rows)
@@ -45,28 +46,47 @@ def test_greedy_rows_accept_the_prefix_that_matches_the_argmax() -> None:
     assert stats.drafted_per_position == [2, 2, 1] and stats.accepted_per_position == [2, 2, 0]
 
 
-def test_mixed_batch_matches_rejection_sampling_of_the_whole_batch() -> None:
-    """Greedy rows take the fast path; sampled rows must still get exactly what the reference
-    rejection sampler gives them (same seeds), so splitting the batch changes nothing."""
-    torch.manual_seed(0)
-    sampled = [SamplingParams(temperature=0.8, top_k=6, seed=s) for s in (1, 2)]
-    greedy = SamplingParams(temperature=0)
-    specs = [([3, 4], sampled[0]), ([5, 6, 7], greedy), ([], sampled[1]), ([2], greedy)]
-    logits = torch.randn(10, VOCAB) * 3
-    emitted = Verifier().verify(*make_step(specs, logits))
+def plain_tokens(params: SamplingParams, logits: torch.Tensor) -> list[int]:  # [n, V]
+    """What plain decoding emits from row ``j`` of ``logits`` after ``3 + j`` tokens."""
+    tokens = []
+    for j, row in enumerate(logits):
+        step = make_step([([], params)], row.unsqueeze(0), prompt=(1, 2, 3) + (0,) * j)
+        tokens += Verifier().verify(*step)[0]
+    return tokens
 
-    params = [p for d, p in specs for _ in range(len(d) + 1)]
-    target = logits.clone()
-    for row, p in enumerate(params):
-        if not p.is_greedy:
-            target[row] = process_logits_for(logits[row : row + 1], [p])[0]
-    expected = rejection_sample(
-        torch.tensor([t for d, _ in specs for t in d]),
-        torch.tensor([len(d) for d, _ in specs]).cumsum(0),
-        None,
-        target,
-        torch.tensor([p.is_greedy for _, p in specs]),
-        [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for _, p in specs],
-    )
-    counts = expected.num_emitted_tokens.tolist()
-    assert emitted == [row[:n] for row, n in zip(expected.output_token_ids.tolist(), counts)]
+
+def test_sampled_rows_emit_what_plain_decoding_emits() -> None:
+    """Each row token is plain decoding's token at that position and seed, whatever the drafts
+    and neighbours: accepted while drafts equal it, then the first mismatch or the bonus."""
+    sampled = [SamplingParams(temperature=0.8, top_k=6, seed=s) for s in (1, 2, 3)]
+    greedy = SamplingParams(temperature=0)
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(0)) * 2
+    plain = [plain_tokens(p, logits) for p in sampled]  # [3][4] tokens at positions 3..6
+    wrong = [(t + 1) % VOCAB for t in plain[0]]
+    specs = [
+        ([plain[0][0], plain[0][1], wrong[2]], sampled[0]),  # 2 accepted, then recovered
+        (plain[1][:3], sampled[1]),  # all 3 accepted, then the bonus
+        ([], sampled[2]),  # no drafts: plain sampling
+        ([(int(logits[0].argmax()) + 1) % VOCAB], greedy),  # rejected at once
+    ]
+    rows = [logits[: len(d) + 1] for d, _ in specs]
+    verifier = Verifier()
+    emitted = verifier.verify(*make_step(specs, torch.cat(rows)))
+    assert emitted == [plain[0][:3], plain[1][:4], plain[2][:1], [int(logits[0].argmax())]]
+    assert (verifier.stats.num_draft_tokens, verifier.stats.num_accepted_tokens) == (7, 5)
+
+
+def test_rows_after_a_mismatch_are_not_sampled(monkeypatch) -> None:
+    sampled = SamplingParams(temperature=1.0, seed=5)
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(1))
+    first = plain_tokens(sampled, logits[:1])[0]
+    num_rows: list[int] = []  # rows sampled by each call
+    next_tokens = verifier_module.next_tokens
+
+    def counting(logits: torch.Tensor, params: list, keys: list) -> list[int]:
+        num_rows.append(len(keys))
+        return next_tokens(logits, params, keys)
+
+    monkeypatch.setattr(verifier_module, "next_tokens", counting)
+    emitted = Verifier().verify(*make_step([([(first + 1) % VOCAB, 0, 0], sampled)], logits))
+    assert emitted == [[first]] and num_rows == [1]
