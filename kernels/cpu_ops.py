@@ -259,7 +259,3 @@ def _cpu_flags() -> str:
             return next((line for line in info if line.startswith("flags")), "")
     except OSError:
         return platform.processor()
-
-
-if __name__ == "__main__":  # `python -m specdec.kernels.cpu_ops`: build now (make install does)
-    sys.exit(0 if enabled() else 1)
