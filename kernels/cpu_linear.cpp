@@ -1,31 +1,51 @@
 // Row-invariant linears for the CPU: y = x @ w^T (+ bias), float32 or bfloat16 (see cpu_ops.py).
 //
-// Each (row, feature) output is one dot product whose order of operations depends on nothing but
-// the input width: lanes of a vector accumulate the input in order, one fused multiply-add per
-// lane and step, and the 16 lane sums are added in the fixed tree of sum_lanes. So a row's bits
-// are the same whether the call holds 1 row or 1,000, and whichever tile or thread computes it.
-// That is what batch invariance needs (see specdec/attention.py), and oneDNN's bf16 GEMM does not
-// give it on every CPU: measured here with ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 (a CPU with
-// AVX512-BF16 but no AMX), a down projection's rows changed bits from 4 rows per call on.
+// Each (row, feature) output is one sum whose order of operations depends on nothing but the
+// input width, so a row's bits are the same whether the call holds 1 row or 1,000, and whichever
+// tile or thread computes it. That is what batch invariance needs (see specdec/attention.py), and
+// oneDNN's bf16 GEMM does not give it on every CPU: measured here with
+// ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 (a CPU with AVX512-BF16 but no AMX), a down projection's
+// rows changed bits from 4 rows per call on.
 //
-// float32: 16 lanes of fused multiply-adds per step. bfloat16 with AVX512-BF16: vdpbf16ps, 32
-// inputs per step, each lane adding the products of two neighbours (Intel defines its rounding;
-// it is the same instruction in every path). bfloat16 without it: widened to float32 on load.
-// A bf16 output is rounded once, after the bias is added in float32.
+// float32 (`linear`): lanes of a vector accumulate the input in order, one fused multiply-add per
+// lane and step, and the 16 lane sums are added in the fixed tree of sum_lanes. Work is split over
+// threads by blocks of kOutBlock features; within a block, tiles of up to kTileRows rows keep
+// rows x kOutBlock sums in registers, so each weight vector loaded serves several rows. Rows are
+// cut into as few tiles as hold them, of nearly equal size (5 rows run as one tile, not 4 + 1: a
+// second pass over a block for one row cost a float32 step's linears 25.6 ms, not 24.3). While a
+// block's first tile runs, the next block's weights are prefetched into L2. Long inputs run in
+// chunks of kRowChunk rows, so that a chunk of x stays in L2 while every weight block streams
+// past it.
 //
-// Work is split over threads by blocks of kOutBlock features; within a block, tiles of up to
-// kTileRows rows keep rows x kOutBlock sums in registers, so each weight vector loaded serves
-// several rows. Rows are cut into as few tiles as hold them, of nearly equal size (5 rows run as
-// one tile, not 4 + 1: a second pass over a block for one row cost a float32 step's linears 25.6
-// ms, not 24.3). While a block's first tile runs, the next block's weights are prefetched into
-// L2. Long inputs (prefill) run in chunks of kRowChunk rows, so that a chunk of x stays in L2
-// while every weight block streams past it.
+// bfloat16 (`pack_pairs`, `linear_pairs`): the weight is packed once into blocks of 16 features
+// whose inputs are interleaved in pairs, [out / 16][in / 2][16][2] (the layout Intel's VNNI
+// instructions read). One vdpbf16ps then adds, for 16 features at once, the products of one input
+// pair (broadcast) and each feature's weight pair: a feature's sum is a single chain over the
+// input pairs in order, from zero, with no horizontal reduction at the end. Tiles of up to
+// kPairRows rows by kPairBlocks feature blocks keep 24 chains in registers; each weight vector
+// loaded serves every row of the tile, and each broadcast input pair every block. Without
+// AVX512-BF16, each pair is two float32 fused multiply-adds, even input first (the products of
+// two bf16 values are exact in float32, so the scalar code computes the same). A bf16 output is
+// rounded once, after the bias is added in float32.
 
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 
 #include <type_traits>
+#include <vector>
+
+// AMX tiles for bf16 (the staging copies use AVX-512, which every AMX CPU has)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#define SPECDEC_AMX 1
+#else
+#define SPECDEC_AMX 0
+#endif
+
+#if SPECDEC_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "cpu_simd.h"
 
@@ -40,10 +60,6 @@ constexpr int64_t kRowChunk = 256;
 
 #if defined(__AVX512F__)
 inline __m512 load16_masked(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
-inline __m512 load16_masked(const BFloat16* p, __mmask16 mask) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(mask, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
 
 // acc[r * B + b] = dot(x row m0 + r, w row n0 + b) in 16 lanes, for R rows and B features.
 template <typename T, int R, int B>
@@ -51,34 +67,6 @@ inline void dot_tile(const T* x, const T* w, int64_t in, int64_t m0, int64_t n0,
                      bool prefetch) {
   const T* wb = w + n0 * in;
   const T* next = wb + B * in;  // the next block's weights (past the end: prefetch is a hint)
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, BFloat16>) {
-    constexpr int64_t kStep = 2 * kLanes;  // 32 bf16 inputs per vdpbf16ps
-    int64_t k = 0;
-    for (; k + kStep <= in; k += kStep) {
-      __m512bh wv[B];
-      for (int b = 0; b < B; b++) {
-        if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(next + b * in + k), _MM_HINT_T1);
-        wv[b] = (__m512bh)_mm512_loadu_si512(wb + b * in + k);
-      }
-      for (int r = 0; r < R; r++) {
-        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (m0 + r) * in + k);
-        for (int b = 0; b < B; b++) acc[r * B + b] = _mm512_dpbf16_ps(acc[r * B + b], xv, wv[b]);
-      }
-    }
-    if (k < in) {  // the last in % 32 inputs; zeros add nothing
-      const __mmask32 mask = static_cast<__mmask32>((1ull << (in - k)) - 1);
-      for (int r = 0; r < R; r++) {
-        const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + (m0 + r) * in + k);
-        for (int b = 0; b < B; b++) {
-          const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, wb + b * in + k);
-          acc[r * B + b] = _mm512_dpbf16_ps(acc[r * B + b], xv, wv);
-        }
-      }
-    }
-    return;
-  }
-#endif
   int64_t k = 0;
   for (; k + kLanes <= in; k += kLanes) {
     __m512 wv[B];
@@ -207,14 +195,267 @@ void linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t rows, int6
   }
 }
 
+// ---- bfloat16: weights packed in input pairs ----
+//
+// The packed weight, for groups of kGroupBlocks blocks of 16 features, and steps of 16 input
+// pairs (32 inputs): [groups][steps][kGroupBlocks][16 pairs][16 features][2 inputs]. Features
+// past `out` and pairs past the row are zeros. One step of one block is 1 KB, an AMX B tile; a
+// group's weights are one contiguous stream, read front to back by whichever thread takes the
+// group, which is what the hardware prefetcher follows best when a decode streams them from
+// memory.
+
+constexpr int64_t kPairBlock = 16;  // features per block: one register of float32 sums
+constexpr int64_t kStepPairs = 16;  // input pairs per step
+constexpr int kGroupBlocks = 2;     // blocks per group
+constexpr int kPairRows = 8;        // rows per register tile: 8 x 2 sums + 2 weights + 1 input
+constexpr int64_t kPairRowChunk = 256;
+constexpr int64_t kStepWords = kGroupBlocks * kStepPairs * kPairBlock;  // 32-bit pairs per step
+
+struct PairLayout {
+  int64_t in, out, pairs, steps, groups;
+  PairLayout(int64_t in_, int64_t out_)
+      : in(in_), out(out_), pairs((in_ + 1) / 2), steps((pairs + kStepPairs - 1) / kStepPairs),
+        groups((out_ + kGroupBlocks * kPairBlock - 1) / (kGroupBlocks * kPairBlock)) {}
+  int64_t words() const { return groups * steps * kStepWords; }
+  // index of the 32-bit pair (feature n, inputs 2p, 2p + 1)
+  int64_t word(int64_t n, int64_t p) const {
+    const int64_t block = n / kPairBlock, g = block / kGroupBlocks, c = block % kGroupBlocks;
+    return (g * steps + p / kStepPairs) * kStepWords + (c * kStepPairs + p % kStepPairs) * kPairBlock +
+           n % kPairBlock;
+  }
+};
+
+// The two bf16 inputs 2 * p and 2 * p + 1 of a row as one 32-bit word (the odd one a zero past
+// the end of an odd-width row), low half first, as the packed weight holds its pairs.
+inline uint32_t input_pair(const BFloat16* row, int64_t p, int64_t in) {
+  uint16_t lo, hi = 0;
+  __builtin_memcpy(&lo, row + 2 * p, 2);
+  if (2 * p + 1 < in) __builtin_memcpy(&hi, row + 2 * p + 1, 2);
+  return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+}
+
+inline float bf16_bits_to_float(uint32_t bits16) {
+  const uint32_t bits = bits16 << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, 4);
+  return f;
+}
+
+// y[m, n] for rows m of one group; `sum(r, n_in_group)` gives row r's float32 sum.
+template <typename Sum>
+inline void store_group(const Sum& sum, const BFloat16* bias, BFloat16* y, int64_t out,
+                        int64_t m0, int rows, int64_t n0,
+                        int64_t width = kGroupBlocks * kPairBlock) {
+  const int64_t n = std::min<int64_t>(width, out - n0);
+  for (int r = 0; r < rows; r++)
+    for (int64_t j = 0; j < n; j++) {
+      const float total = sum(r, j);
+      y[(m0 + r) * out + n0 + j] = static_cast<BFloat16>(bias ? total + load(bias, n0 + j) : total);
+    }
+}
+
+#if defined(__AVX512F__)
+inline void pair_step(const __m512i xv, const __m512i* wv, __m512* acc) {
+  for (int c = 0; c < kGroupBlocks; c++) {
+#if defined(__AVX512BF16__)
+    acc[c] = _mm512_dpbf16_ps(acc[c], (__m512bh)xv, (__m512bh)wv[c]);
+#else
+    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    const __m512 x_even = _mm512_castsi512_ps(_mm512_slli_epi32(xv, 16));
+    const __m512 x_odd = _mm512_castsi512_ps(_mm512_and_si512(xv, high));
+    acc[c] = _mm512_fmadd_ps(x_even, _mm512_castsi512_ps(_mm512_slli_epi32(wv[c], 16)), acc[c]);
+    acc[c] = _mm512_fmadd_ps(x_odd, _mm512_castsi512_ps(_mm512_and_si512(wv[c], high)), acc[c]);
+#endif
+  }
+}
+
+// Rows m0 .. m0 + R - 1 against group g: each of the R x 64 sums one chain over the input pairs.
+template <int R>
+inline void pair_tile(const BFloat16* x, const uint32_t* w, const PairLayout& l,
+                      const BFloat16* bias, BFloat16* y, int64_t m0, int64_t g, bool prefetch = true) {
+  __m512 acc[R * kGroupBlocks];
+  for (int i = 0; i < R * kGroupBlocks; i++) acc[i] = _mm512_setzero_ps();
+  const uint32_t* wg = w + g * l.steps * kStepWords;
+  const int32_t* rows[R];  // each row as 32-bit input pairs
+  for (int r = 0; r < R; r++) rows[r] = reinterpret_cast<const int32_t*>(x + (m0 + r) * l.in);
+  const int64_t whole = l.in / 2;  // pairs with both inputs inside the row
+  for (int64_t p = 0; p < l.pairs; p++) {
+    const uint32_t* wp = wg + (p / kStepPairs) * kStepWords + (p % kStepPairs) * kPairBlock;
+    __m512i wv[kGroupBlocks];
+    for (int c = 0; c < kGroupBlocks; c++) {
+      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(wp + c * kStepPairs * kPairBlock + l.steps * kStepWords), _MM_HINT_T1);
+      wv[c] = _mm512_loadu_si512(wp + c * kStepPairs * kPairBlock);
+    }
+    for (int r = 0; r < R; r++) {
+      const int32_t pair = p < whole ? rows[r][p]
+                                     : static_cast<int32_t>(input_pair(x + (m0 + r) * l.in, p, l.in));
+      pair_step(_mm512_set1_epi32(pair), wv, acc + r * kGroupBlocks);
+    }
+  }
+  alignas(64) float sums[R * kGroupBlocks * kPairBlock];
+  for (int i = 0; i < R * kGroupBlocks; i++) _mm512_store_ps(sums + i * kPairBlock, acc[i]);
+  store_group([&](int r, int64_t j) { return sums[r * kGroupBlocks * kPairBlock + j]; }, bias, y,
+              l.out, m0, R, g * kGroupBlocks * kPairBlock);
+}
+#else
+template <int R>
+inline void pair_tile(const BFloat16* x, const uint32_t* w, const PairLayout& l,
+                      const BFloat16* bias, BFloat16* y, int64_t m0, int64_t g) {
+  constexpr int64_t kWidth = kGroupBlocks * kPairBlock;
+  for (int r = 0; r < R; r++) {
+    const BFloat16* row = x + (m0 + r) * l.in;
+    float acc[kWidth] = {0};
+    for (int64_t p = 0; p < l.pairs; p++) {
+      const uint32_t pair = input_pair(row, p, l.in);
+      const float x_even = bf16_bits_to_float(pair & 0xFFFF), x_odd = bf16_bits_to_float(pair >> 16);
+      for (int64_t j = 0; j < kWidth; j++) {
+        const uint32_t wp = w[l.word(g * kWidth + j, p)];
+        acc[j] += x_even * bf16_bits_to_float(wp & 0xFFFF);
+        acc[j] += x_odd * bf16_bits_to_float(wp >> 16);
+      }
+    }
+    store_group([&](int, int64_t j) { return acc[j]; }, bias, y, l.out, m0 + r, 1, g * kWidth);
+  }
+}
+#endif
+
+void pair_linear_rows(const BFloat16* x, const uint32_t* w, const BFloat16* bias, BFloat16* y,
+                      int64_t rows, const PairLayout& l) {
+  for (int64_t m0 = 0; m0 < rows; m0 += kPairRowChunk) {
+    const int64_t m1 = std::min(rows, m0 + kPairRowChunk);
+    at::parallel_for(0, l.groups, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; g++) {
+        const int64_t tiles = (m1 - m0 + kPairRows - 1) / kPairRows;
+        for (int64_t t = 0, m = m0; t < tiles; t++) {
+          const int64_t size = (m1 - m + (tiles - t) - 1) / (tiles - t);  // even split
+          switch (size) {
+            case 8: pair_tile<8>(x, w, l, bias, y, m, g); break;
+            case 7: pair_tile<7>(x, w, l, bias, y, m, g); break;
+            case 6: pair_tile<6>(x, w, l, bias, y, m, g); break;
+            case 5: pair_tile<5>(x, w, l, bias, y, m, g); break;
+            case 4: pair_tile<4>(x, w, l, bias, y, m, g); break;
+            case 3: pair_tile<3>(x, w, l, bias, y, m, g); break;
+            case 2: pair_tile<2>(x, w, l, bias, y, m, g); break;
+            default: pair_tile<1>(x, w, l, bias, y, m, g); break;
+          }
+          m += size;
+        }
+      }
+    });
+  }
+}
+
+#if SPECDEC_AMX
+// ---- bfloat16 on AMX tiles ----
+//
+// On CPUs with AMX, every bf16 row goes through the tile unit instead (a machine takes one path
+// for every row count, so rows stay invariant). TDPBF16PS adds to a tile of float32 sums C[m][n]
+// the products of the 32 inputs of one step of row m (tile A) with the same 32 inputs of feature
+// n (tile B: one step of one block of the packed weight). A sum depends on its own row and
+// feature only, never on the other rows of the tile, so tiles of any row count give a row the
+// same bits; rows whose width is not a whole number of steps are copied with zeros after them.
+
+struct TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {0};
+  uint16_t colsb[16] = {0};
+  uint8_t rows[16] = {0};
+};
+
+// Tiles 0-1: `rows` x 16 float32 sums; 4: `rows` x 32 bf16 inputs; 5-6: 16 pairs x 16 features.
+inline void configure_tiles(int rows) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; t++) {
+    cfg.rows[t] = static_cast<uint8_t>(t < 5 ? rows : 16);
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Linux hands a process the AMX state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); it is asked once, and where it refuses the pair kernel runs instead.
+bool amx_usable() {
+  static const bool usable = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return usable;
+}
+
+// Rows of x (`stride` bf16 apart, whole steps wide) against group g, into sums[4][rows][16].
+// Rows of x (`stride` bf16 apart, whole steps wide) against group g, into sums[2][rows][16].
+inline void amx_group(const BFloat16* x, int64_t stride, const uint32_t* w, const PairLayout& l,
+                      int64_t g, float* sums, bool stage) {
+  static_assert(kGroupBlocks == 2, "one C tile per block of the group: tiles 0 and 1");
+  _tile_zero(0);
+  _tile_zero(1);
+  constexpr int64_t kTileWords = kStepPairs * kPairBlock;
+  constexpr int64_t kLineWords = 16;
+  const uint32_t* wg = w + g * l.steps * kStepWords;
+  // A chunk of at most 16 rows (a decode, a small verification) reads each weight once, from
+  // memory: it is copied a step at a time with vector loads, each line's twin in the next group
+  // prefetched into L2 beside it, and the tiles load from that copy. Tile loads straight from
+  // memory streamed a decode's weights at about 28 GB/s here, the vector copy at about 36; tiles
+  // of more rows reuse each B tile and load it directly.
+  alignas(64) uint32_t staged[kStepWords];
+  for (int64_t s = 0; s < l.steps; s++) {
+    const uint32_t* ws = wg + s * kStepWords;
+    if (stage) {
+      for (int64_t i = 0; i < kStepWords; i += kLineWords) {
+        _mm_prefetch(reinterpret_cast<const char*>(ws + i + l.steps * kStepWords), _MM_HINT_T1);
+        _mm512_store_si512(staged + i, _mm512_loadu_si512(ws + i));
+      }
+      ws = staged;
+    }
+    _tile_loadd(4, x + s * 2 * kStepPairs, stride * 2);
+    _tile_loadd(5, ws, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, ws + kTileWords, 64);
+    _tile_dpbf16ps(1, 4, 6);
+  }
+  _tile_stored(0, sums, 64);
+  _tile_stored(1, sums + 256, 64);
+}
+
+void amx_linear_rows(const BFloat16* x, const uint32_t* w, const BFloat16* bias, BFloat16* y,
+                     int64_t rows, const PairLayout& l) {
+  const int64_t width = l.steps * 2 * kStepPairs;  // inputs per row, padded to whole steps
+  for (int64_t m0 = 0; m0 < rows; m0 += kPairRowChunk) {
+    const int64_t m1 = std::min(rows, m0 + kPairRowChunk);
+    std::vector<BFloat16> padded;  // the chunk's rows with zeros to whole steps, if needed
+    const BFloat16* xs = x + m0 * l.in;
+    if (width != l.in) {
+      padded.assign((m1 - m0) * width, BFloat16(0.0f));
+      for (int64_t m = m0; m < m1; m++)
+        std::copy(x + m * l.in, x + (m + 1) * l.in, padded.begin() + (m - m0) * width);
+      xs = padded.data();
+    }
+    at::parallel_for(0, l.groups, 1, [&](int64_t begin, int64_t end) {
+      alignas(64) float sums[kGroupBlocks * 16 * kPairBlock];
+      int configured = 0;
+      for (int64_t g = begin; g < end; g++)
+        for (int64_t m = m0; m < m1; m += 16) {
+          const int r = static_cast<int>(std::min<int64_t>(16, m1 - m));
+          if (r != configured) {
+            configure_tiles(r);
+            configured = r;
+          }
+          amx_group(xs + (m - m0) * width, width, w, l, g, sums, m1 - m0 <= 16);
+          store_group(
+              [&](int i, int64_t j) { return sums[(j / kPairBlock) * 256 + i * 16 + j % kPairBlock]; },
+              bias, y, l.out, m, r, g * kGroupBlocks * kPairBlock);
+        }
+      if (configured) _tile_release();
+    });
+  }
+}
+#endif
+
 }  // namespace
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
                      const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(),
               "x must be a contiguous 2-D CPU tensor");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "x must be float32 or bfloat16");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32 (bfloat16: linear_pairs)");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() &&
                   weight.scalar_type() == x.scalar_type() && weight.size(1) == x.size(1),
               "weight must be a contiguous [out, in] matrix of x's dtype matching x");
@@ -224,12 +465,51 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
                     bias->numel() == weight.size(0),
                 "bias must have x's dtype and one entry per output feature");
   auto y = torch::empty({x.size(0), weight.size(0)}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "linear", [&] {
-    if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, BFloat16>) {
-      linear_rows(x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
-                  has_bias ? bias->data_ptr<scalar_t>() : nullptr, y.data_ptr<scalar_t>(),
-                  x.size(0), x.size(1), weight.size(0));
-    }
+  linear_rows(x.data_ptr<float>(), weight.data_ptr<float>(),
+              has_bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), x.size(0),
+              x.size(1), weight.size(0));
+  return y;
+}
+
+torch::Tensor pack_pairs(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.is_contiguous() &&
+                  weight.scalar_type() == at::kBFloat16,
+              "weight must be a contiguous [out, in] bfloat16 CPU matrix");
+  const PairLayout l(weight.size(1), weight.size(0));
+  auto packed = torch::zeros({l.words() * 2}, weight.options());  // 1-D: the layout is ours
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<BFloat16>());
+  uint16_t* p = reinterpret_cast<uint16_t*>(packed.data_ptr<BFloat16>());
+  at::parallel_for(0, l.out, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; n++)
+      for (int64_t k = 0; k < l.in; k++) p[l.word(n, k / 2) * 2 + k % 2] = w[n * l.in + k];
   });
+  return packed;
+}
+
+torch::Tensor linear_pairs(const torch::Tensor& x, const torch::Tensor& packed,
+                           const c10::optional<torch::Tensor>& bias, int64_t out) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() &&
+                  x.scalar_type() == at::kBFloat16,
+              "x must be a contiguous 2-D bfloat16 CPU tensor");
+  const PairLayout l(x.size(1), out);
+  TORCH_CHECK(packed.dim() == 1 && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kBFloat16 && packed.numel() == l.words() * 2,
+              "packed must come from pack_pairs of an [out, in] weight matching x");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias)
+    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == at::kBFloat16 &&
+                    bias->numel() == out,
+                "bias must be bfloat16 with one entry per output feature");
+  auto y = torch::empty({x.size(0), out}, x.options());
+  const BFloat16* xp = x.data_ptr<BFloat16>();
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(packed.data_ptr<BFloat16>());
+  const BFloat16* b = has_bias ? bias->data_ptr<BFloat16>() : nullptr;
+#if SPECDEC_AMX
+  if (amx_usable()) {
+    amx_linear_rows(xp, w, b, y.data_ptr<BFloat16>(), x.size(0), l);
+    return y;
+  }
+#endif
+  pair_linear_rows(xp, w, b, y.data_ptr<BFloat16>(), x.size(0), l);
   return y;
 }

@@ -541,6 +541,9 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 // cpu_linear.cpp
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
                      const c10::optional<torch::Tensor>& bias);
+torch::Tensor pack_pairs(const torch::Tensor& weight);
+torch::Tensor linear_pairs(const torch::Tensor& x, const torch::Tensor& packed,
+                           const c10::optional<torch::Tensor>& bias, int64_t out);
 
 // cpu_sampling.cpp
 torch::Tensor exponential_noise(const torch::Tensor& keys, int64_t vocab);
@@ -551,7 +554,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place; weight * RMSNorm(residual)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up for rows [gate | up]");
   m.def("rope_", &rope_, "rotate the first `heads` heads of each row in place");
-  m.def("linear", &linear, "x @ weight.T + bias for a few float32 rows");
+  m.def("linear", &linear, "x @ weight.T + bias for float32 rows");
+  m.def("pack_pairs", &pack_pairs, "a bf16 [out, in] weight in the pair layout of linear_pairs (1-D)");
+  m.def("linear_pairs", &linear_pairs, "x @ weight.T + bias for bf16 rows, weight packed");
   m.def("write_kv_", &write_kv_, "store each token's k and v rows at its cache slot");
   m.def("cached_attention", &cached_attention, "a padded group's attention to cached keys");
   m.def("exponential_noise", &exponential_noise, "Exp(1) noise [keys, vocab], counter-based");

@@ -7,15 +7,17 @@ does when it freezes a CPU graph (``torch.ops.mkldnn._reorder_linear_weight`` an
 ``_linear_pointwise``); :class:`PackedLinear` does that for bfloat16 models that need not be
 batch-invariant.
 
-:class:`RowLinear` runs the C++ kernel of ``kernels/cpu_linear.cpp``, which gives each row the
-same bits whatever the row count. Float32 models use it for steps of at most ``SMALL_ROWS`` rows
-(decodes, verifications, batches of up to 64 sequences), where it beats MKL (which repacks the
-weights it reads on every call); larger float32 steps (prefill chunks) go to MKL. Batch-invariant
-models (see :mod:`specdec.attention`) use it for every row count, in both dtypes: oneDNN's bf16
-GEMM keeps a row's bits across row counts on some CPUs (up to 32 rows with AMX) but not on
-others (AVX512-BF16 without AMX: a down projection's rows change from 4 rows per call on), so
-exactness cannot rest on it. Without the C++ kernels, invariant bf16 linears fall back to
-packed oneDNN calls of at most ``INVARIANT_TILE_ROWS`` rows, which holds on AMX CPUs only.
+:class:`RowLinear` runs the C++ kernels of ``kernels/cpu_linear.cpp``, which give each row the
+same bits whatever the row count. Float32 models use them for steps of at most ``SMALL_ROWS``
+rows (decodes, verifications, batches of up to 64 sequences), where they beat MKL (which repacks
+the weights it reads on every call); larger float32 steps (prefill chunks) go to MKL.
+Batch-invariant bfloat16 models (see :mod:`specdec.attention`) pack every weight once in input
+pairs and run every row count on the kernel: AMX tiles where the CPU has them, else
+``vdpbf16ps``. oneDNN's bf16 GEMM keeps a row's bits across row counts on some CPUs (up to 32 rows
+with AMX) but not on others (AVX512-BF16 without AMX: a down projection's rows change from 4 rows
+per call on), so exactness cannot rest on it. Without the C++ kernels, invariant bf16 linears
+fall back to packed oneDNN calls of at most ``INVARIANT_TILE_ROWS`` rows, which holds on AMX CPUs
+only.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from specdec.kernels import cpu_ops
 
 INVARIANT_TILE_ROWS = 32  # most rows per bf16 oneDNN call for which every row's bits are fixed
 SMALL_ROWS = 64  # most rows a float32 RowLinear hands to the fused kernel; MKL is faster above
-KERNEL = (torch.float32, torch.bfloat16)  # dtypes of the C++ linear kernel
 
 
 def can_prepack(dtype: torch.dtype) -> bool:
@@ -87,42 +88,67 @@ def prepack_linears(model: nn.Module, invariant: bool = False) -> int:
 
 class RowLinear(nn.Module):
     """An ``nn.Linear`` whose steps of at most ``max_rows`` rows (``None``: any number) run the
-    row-invariant C++ kernel; larger steps, or a machine without the kernels, run ``F.linear``."""
+    row-invariant C++ kernel; larger steps, or a machine without the kernels, run ``F.linear``.
 
-    def __init__(self, linear: nn.Linear, max_rows: int | None = SMALL_ROWS):
+    ``packed``: a bfloat16 weight is packed once into the kernel's pair layout (``pack_pairs``:
+    the layout AMX tiles and ``vdpbf16ps`` read) and the plain matrix is let go, so that the
+    model does not hold two copies; every row count then runs the kernel.
+    """
+
+    def __init__(self, linear: nn.Linear, max_rows: int | None = SMALL_ROWS, packed: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight  # the same parameter: a tied embedding stays tied
         self.bias = linear.bias
-        self.max_rows = max_rows
+        self.max_rows = None if packed else max_rows
+        self.weight: nn.Parameter | None = None
+        self.packed: nn.Parameter | None = None
+        kernels = cpu_ops.extension() if packed else None
+        if kernels is not None and linear.weight.dtype == torch.bfloat16:
+            pairs = kernels.pack_pairs(linear.weight.detach().contiguous())
+            self.packed = nn.Parameter(pairs, requires_grad=False)
+        else:
+            assert isinstance(linear.weight, nn.Parameter)
+            self.weight = linear.weight  # the same parameter: a tied embedding stays tied
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, in] -> [N, out]
+        if self.packed is not None:
+            kernels = cpu_ops.extension()
+            assert kernels is not None  # it packed the weight
+            return kernels.linear_pairs(x.contiguous(), self.packed, self.bias, self.out_features)
+        assert self.weight is not None
         few = self.max_rows is None or x.shape[0] <= self.max_rows
         kernels = cpu_ops.extension_for(x) if few else None
-        if kernels is not None and x.dtype == self.weight.dtype and x.is_contiguous():
-            return kernels.linear(x, self.weight, self.bias)
+        if kernels is not None and x.dtype == torch.float32 == self.weight.dtype:
+            return kernels.linear(x.contiguous(), self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         rows = "any" if self.max_rows is None else f"<= {self.max_rows}"
-        return f"in_features={self.in_features}, out_features={self.out_features}, rows {rows}"
+        layout = ", packed in pairs" if self.packed is not None else ""
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, rows {rows}{layout}"
+        )
 
 
 def use_row_kernels(model: nn.Module, invariant: bool = False) -> int:
     """Replace linears by :class:`RowLinear`s; return how many.
 
     Float32 linears take the kernel for few rows. With ``invariant`` and the C++ kernels built,
-    bfloat16 linears take it for every row count, so that no row depends on the batch.
+    bfloat16 linears are packed in pairs and take it for every row count, so that no row
+    depends on the batch.
     """
-    all_rows = invariant and cpu_ops.enabled()
+    packed = invariant and cpu_ops.enabled()
     swaps = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
         if isinstance(child, nn.Linear)
-        and (child.weight.dtype == torch.float32 or (all_rows and child.weight.dtype in KERNEL))
+        and (
+            child.weight.dtype == torch.float32 or (packed and child.weight.dtype == torch.bfloat16)
+        )
     ]
     for parent, name, child in swaps:
-        max_rows = None if all_rows else SMALL_ROWS
-        setattr(parent, name, RowLinear(child, max_rows))
+        setattr(
+            parent, name, RowLinear(child, packed=packed and child.weight.dtype == torch.bfloat16)
+        )
     return len(swaps)

@@ -1,5 +1,7 @@
 """specdec.models.linear: bf16 linears on oneDNN-packed weights, float32 ones on row kernels."""
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -76,35 +78,89 @@ def test_float32_linears_use_the_row_kernels() -> None:
 
 
 @pytest.mark.skipif(not cpu_ops.enabled(), reason="no fused CPU kernels")
-def test_a_batch_invariant_bf16_model_runs_every_linear_on_the_row_kernel() -> None:
+def test_a_batch_invariant_bf16_model_runs_every_linear_on_packed_pairs() -> None:
     hf = tiny_model("llama")  # tied embeddings
     state = {k: v.to(torch.bfloat16) for k, v in hf.state_dict().items()}
     model = LlamaForCausalLM.from_hf(hf.config, state, 64)
     assert model.batch_invariant
     rows = [m for m in model.modules() if isinstance(m, RowLinear)]
     assert len(rows) == 4 * hf.config.num_hidden_layers + 1
-    assert all(m.max_rows is None and m.weight.dtype == torch.bfloat16 for m in rows)
-    assert model.lm_head.weight is model.embed_tokens.weight  # no packed copy of the embedding
+    assert all(m.max_rows is None and m.packed is not None and m.weight is None for m in rows)
+    # no plain copy is kept beside the packed one; the embedding keeps its rows for lookups
+    assert torch.equal(model.embed_tokens.weight, state["model.embed_tokens.weight"])
+    hidden = torch.randn(3, hf.config.hidden_size, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        logits = model.compute_logits(hidden)
+    expected = hidden.float() @ state["model.embed_tokens.weight"].float().T
+    torch.testing.assert_close(logits.float(), expected, rtol=1.6e-2, atol=2e-2)
+
+
+ROW_COUNTS = [*range(2, 19), 31, 32, 33, 64, 255, 256, 257, 300]  # register tiles of 1-8 rows,
+# AMX tiles of 1-16, chunks of 256
+
+
+def _check_rows(kernels, features: tuple[int, int], bias: bool) -> None:  # noqa: ANN001
+    torch.manual_seed(0)
+    linear = nn.Linear(*features, bias=bias).to(torch.bfloat16)
+    packed = kernels.pack_pairs(linear.weight.detach())
+    b = None if linear.bias is None else linear.bias.detach()
+    x = torch.randn(300, features[0]).to(torch.bfloat16)
+    out = features[1]
+    one_by_one = torch.cat([kernels.linear_pairs(x[i : i + 1], packed, b, out) for i in range(300)])
+    for rows in ROW_COUNTS:
+        assert torch.equal(kernels.linear_pairs(x[:rows], packed, b, out), one_by_one[:rows]), rows
+    expected = F.linear(x.float(), linear.weight.float(), None if b is None else b.float())
+    torch.testing.assert_close(one_by_one.float(), expected, rtol=1.6e-2, atol=2e-2)
+
+
+FEATURES = [(1536, 576), (576, 960), (40, 7), (41, 70)]  # odd widths: a pair and a step padded
 
 
 @pytest.mark.skipif(not cpu_ops.enabled(), reason="no fused CPU kernels")
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("features", [(1536, 576), (576, 960), (40, 7)])
-def test_bf16_row_linear_rows_do_not_depend_on_the_row_count(
+@pytest.mark.parametrize("features", FEATURES)
+def test_bf16_packed_rows_do_not_depend_on_the_row_count(
     bias: bool, features: tuple[int, int]
 ) -> None:
-    """Every row count from 1 to 300 (tiles of 1 to 6 rows, chunks of 256) gives each row the
-    bits it gets alone; 1536 inputs is the down projection whose rows oneDNN changes on CPUs
-    without AMX."""
-    torch.manual_seed(0)
+    """Every row count from 1 to 300 gives each row the bits it gets alone (on this machine's
+    path: AMX tiles where the CPU has them, else vdpbf16ps); 1536 inputs is the down projection
+    whose rows oneDNN changes on CPUs without AMX."""
+    _check_rows(cpu_ops.extension(), features, bias)
     linear = nn.Linear(*features, bias=bias).to(torch.bfloat16)
-    row_linear = RowLinear(linear, max_rows=None)
-    x = torch.randn(300, features[0]).to(torch.bfloat16)
+    row_linear = RowLinear(linear, packed=True)
+    x = torch.randn(5, features[0]).to(torch.bfloat16)
     with torch.inference_mode():
-        one_by_one = torch.cat([row_linear(x[i : i + 1]) for i in range(300)])
-        for rows in [*range(2, 14), 31, 64, 255, 256, 257, 300]:
-            assert torch.equal(row_linear(x[:rows]), one_by_one[:rows]), rows
-        expected = F.linear(
-            x.float(), linear.weight.float(), None if linear.bias is None else linear.bias.float()
-        )
-        torch.testing.assert_close(one_by_one.float(), expected, rtol=1.6e-2, atol=2e-2)
+        got = row_linear(x.t().contiguous().t())  # a non-contiguous input is copied first
+    torch.testing.assert_close(got.float(), linear(x).float(), rtol=1.6e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(os.environ.get("SPECDEC_SLOW_TESTS") != "1", reason="SPECDEC_SLOW_TESTS=1")
+@pytest.mark.skipif(not cpu_ops.enabled(), reason="no fused CPU kernels")
+@pytest.mark.parametrize("build", ["no-amx", "no-avx512bf16", "portable"])
+def test_bf16_packed_rows_are_invariant_on_every_path(build: str) -> None:
+    """The paths of CPUs unlike this one, compiled here: vdpbf16ps without AMX, float32 fused
+    multiply-adds without AVX512-BF16, and scalar code without AVX-512."""
+    flags = {
+        "no-amx": ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"),
+        "no-avx512bf16": ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8", "-mno-avx512bf16"),
+        "portable": ("-mno-avx512f",),
+    }[build]
+    kernels = cpu_ops._build(flags, f"specdec_cpu_ops_{build.replace('-', '_')}")
+    for features in FEATURES:
+        _check_rows(kernels, features, bias=True)
+
+
+@pytest.mark.skipif(not cpu_ops.enabled(), reason="no fused CPU kernels")
+def test_packed_linears_reject_mismatched_arguments() -> None:
+    kernels = cpu_ops.extension()
+    w = torch.randn(20, 48).to(torch.bfloat16)
+    packed = kernels.pack_pairs(w)
+    x = torch.randn(2, 48).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="packed must come from pack_pairs"):
+        kernels.linear_pairs(torch.randn(2, 80).to(torch.bfloat16), packed, None, 20)
+    with pytest.raises(RuntimeError, match="x must be a contiguous 2-D bfloat16"):
+        kernels.linear_pairs(x.float(), packed, None, 20)
+    with pytest.raises(RuntimeError, match="bias must be bfloat16"):
+        kernels.linear_pairs(x, packed, torch.zeros(19, dtype=torch.bfloat16), 20)
+    with pytest.raises(RuntimeError, match="weight must be a contiguous"):
+        kernels.pack_pairs(w.float())
