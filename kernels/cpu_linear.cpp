@@ -59,7 +59,6 @@ constexpr int64_t kTileRows = 6;  // 6 * kOutBlock = 24 sums + 4 weight vectors 
 constexpr int64_t kRowChunk = 256;
 
 #if defined(__AVX512F__)
-inline __m512 load16_masked(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
 
 // acc[r * B + b] = dot(x row m0 + r, w row n0 + b) in 16 lanes, for R rows and B features.
 template <typename T, int R, int B>

@@ -39,6 +39,16 @@ template <typename T>
 inline float sum_of_squares(const T* x, int64_t n) {
   float acc[kLanes] = {0};
   int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, BFloat16>) {
+    __m512 sums = _mm512_setzero_ps();
+    for (; i + kLanes <= n; i += kLanes) {
+      const __m512 v = load16(x + i);
+      sums = _mm512_add_ps(sums, _mm512_mul_ps(v, v));
+    }
+    _mm512_storeu_ps(acc, sums);
+  }
+#endif
   for (; i + kLanes <= n; i += kLanes) {
 #pragma omp simd
     for (int j = 0; j < kLanes; j++) {
@@ -56,8 +66,35 @@ inline float sum_of_squares(const T* x, int64_t n) {
 template <typename T>
 inline void rms_norm_row(const T* x, const T* weight, T* out, int64_t n, float eps) {
   const float inv = 1.0f / std::sqrt(sum_of_squares(x, n) / static_cast<float>(n) + eps);
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, BFloat16>) {
+    const __m512 scale = _mm512_set1_ps(inv);
+    for (int64_t i = 0; i < n; i += kLanes) {  // the scalar loop below, 16 lanes at a time
+      const __mmask16 mask = tail_mask(n - i);
+      const __m512 normed = round16(_mm512_mul_ps(load16_masked(x + i, mask), scale), out);
+      store16_masked(out + i, _mm512_mul_ps(load16_masked(weight + i, mask), normed), mask);
+    }
+    return;
+  }
+#endif
 #pragma omp simd
   for (int64_t i = 0; i < n; i++) out[i] = static_cast<T>(load(weight, i) * round_to<T>(load(x, i) * inv));
+}
+
+// res += x, rounded to T.
+template <typename T>
+inline void add_row(T* res, const T* x, int64_t n) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, BFloat16>) {
+    for (int64_t i = 0; i < n; i += kLanes) {
+      const __mmask16 mask = tail_mask(n - i);
+      store16_masked(res + i, _mm512_add_ps(load16_masked(res + i, mask), load16_masked(x + i, mask)), mask);
+    }
+    return;
+  }
+#endif
+#pragma omp simd
+  for (int64_t i = 0; i < n; i++) res[i] = static_cast<T>(load(res, i) + load(x, i));
 }
 
 template <typename T>
@@ -73,28 +110,40 @@ void add_rms_norm_rows(T* residual, const T* x, const T* weight, T* out, int64_t
   at::parallel_for(0, rows, 32, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; r++) {
       T* res = residual + r * n;
-      const T* xr = x + r * n;
-#pragma omp simd
-      for (int64_t i = 0; i < n; i++) res[i] = static_cast<T>(load(res, i) + load(xr, i));
+      add_row(res, x + r * n, n);
       rms_norm_row(res, weight, out + r * n, n, eps);
     }
   });
+}
+
+// o = T(silu(gate)) * up for one row of n.
+template <typename T>
+inline void silu_mul_row(const T* gate, const T* up, T* o, int64_t n) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, BFloat16>) {
+    for (int64_t i = 0; i < n; i += kLanes) {  // the scalar steps below, 16 lanes at a time
+      const __mmask16 mask = tail_mask(n - i);
+      const __m512 g = load16_masked(gate + i, mask);
+      const __m512 e = exp_approx16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+      const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+      store16_masked(o + i, _mm512_mul_ps(round16(silu, o), load16_masked(up + i, mask)), mask);
+    }
+    return;
+  }
+#endif
+#pragma omp simd
+  for (int64_t i = 0; i < n; i++) {
+    const float g = load(gate, i);
+    o[i] = static_cast<T>(round_to<T>(g / (1.0f + exp_approx(-g))) * load(up, i));
+  }
 }
 
 // out = T(silu(gate)) * up, where each row of gate_up is [gate | up].
 template <typename T>
 void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t n) {
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; r++) {
-      const T* gate = gate_up + r * 2 * n;
-      const T* up = gate + n;
-      T* o = out + r * n;
-#pragma omp simd
-      for (int64_t i = 0; i < n; i++) {
-        const float g = load(gate, i);
-        o[i] = static_cast<T>(round_to<T>(g / (1.0f + exp_approx(-g))) * load(up, i));
-      }
-    }
+    for (int64_t r = begin; r < end; r++)
+      silu_mul_row(gate_up + r * 2 * n, gate_up + r * 2 * n + n, out + r * n, n);
   });
 }
 
@@ -110,6 +159,24 @@ void rope_rows(T* x, const T* cos, const T* sin, int64_t rows, int64_t row_strid
       const T* s = sin + r * head_dim;
       for (int64_t h = 0; h < heads; h++) {
         T* v = x + r * row_stride + h * head_dim;
+#if defined(__AVX512F__)
+        if constexpr (std::is_same_v<T, float> || std::is_same_v<T, BFloat16>) {
+          for (int64_t i = 0; i < half; i += kLanes) {  // the scalar loop below, 16 lanes at a time
+            const __mmask16 mask = tail_mask(half - i);
+            const __m512 x1 = load16_masked(v + i, mask), x2 = load16_masked(v + i + half, mask);
+            const __m512 minus_x2 = _mm512_castsi512_ps(
+                _mm512_xor_si512(_mm512_castps_si512(x2), _mm512_set1_epi32(INT32_MIN)));
+            const __m512 lo = _mm512_add_ps(round16(_mm512_mul_ps(x1, load16_masked(c + i, mask)), v),
+                                            round16(_mm512_mul_ps(minus_x2, load16_masked(s + i, mask)), v));
+            const __m512 hi =
+                _mm512_add_ps(round16(_mm512_mul_ps(x2, load16_masked(c + i + half, mask)), v),
+                              round16(_mm512_mul_ps(x1, load16_masked(s + i + half, mask)), v));
+            store16_masked(v + i, lo, mask);
+            store16_masked(v + i + half, hi, mask);
+          }
+          continue;
+        }
+#endif
 #pragma omp simd
         for (int64_t i = 0; i < half; i++) {
           const float x1 = load(v, i), x2 = load(v, i + half);
@@ -283,6 +350,27 @@ inline void weigh_values_chunks(int64_t chunks, const T* v_cache, const int64_t*
   }
 }
 
+// Softmax over the first nv scores of a row, in place: the maximum, exp, 16 lane sums added
+// in sum_lanes' tree, then one multiply by the inverse.
+inline void softmax_row(float* sr, int64_t nv) {
+  const int64_t full = nv / kLanes * kLanes;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (nv - full)) - 1);
+  __m512 top = _mm512_set1_ps(-__builtin_inff());
+  for (int64_t c = 0; c < full; c += kLanes) top = _mm512_max_ps(top, _mm512_loadu_ps(sr + c));
+  top = _mm512_mask_max_ps(top, tail, top, _mm512_maskz_loadu_ps(tail, sr + full));
+  const float peak = _mm512_reduce_max_ps(top);  // a maximum is exact in any order
+#pragma omp simd
+  for (int64_t c = 0; c < nv; c++) sr[c] = exp_approx(sr[c] - peak);
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t c = 0; c < full; c += kLanes) total = _mm512_add_ps(total, _mm512_loadu_ps(sr + c));
+  total = _mm512_add_ps(total, _mm512_maskz_loadu_ps(tail, sr + full));
+  float lanes[kLanes];
+  _mm512_storeu_ps(lanes, total);
+  const float inv = 1.0f / sum_lanes(lanes);
+#pragma omp simd
+  for (int64_t c = 0; c < nv; c++) sr[c] *= inv;
+}
+
 template <typename T>
 void cached_attention_rows_avx512(const T* q, int64_t q_row_stride, const T* k_cache,
                                   const T* v_cache, const int64_t* query_index,
@@ -338,25 +426,7 @@ void cached_attention_rows_avx512(const T* q, int64_t q_row_stride, const T* k_c
                            _mm512_mul_ps(sum_lanes16(dot), _mm512_set1_ps(scale)));
         }
       }
-      for (int64_t r = 0; r < rows; r++) {  // softmax over the first visible[r] scores
-        float* sr = scores.data() + r * padded_context;
-        const int64_t nv = visible[r], full = nv / kLanes * kLanes;
-        const __mmask16 tail = static_cast<__mmask16>((1u << (nv - full)) - 1);
-        __m512 top = _mm512_set1_ps(-__builtin_inff());
-        for (int64_t c = 0; c < full; c += kLanes) top = _mm512_max_ps(top, _mm512_loadu_ps(sr + c));
-        top = _mm512_mask_max_ps(top, tail, top, _mm512_maskz_loadu_ps(tail, sr + full));
-        const float peak = _mm512_reduce_max_ps(top);  // a maximum is exact in any order
-#pragma omp simd
-        for (int64_t c = 0; c < nv; c++) sr[c] = exp_approx(sr[c] - peak);
-        __m512 total = _mm512_setzero_ps();
-        for (int64_t c = 0; c < full; c += kLanes) total = _mm512_add_ps(total, _mm512_loadu_ps(sr + c));
-        total = _mm512_add_ps(total, _mm512_maskz_loadu_ps(tail, sr + full));
-        float lanes[kLanes];
-        _mm512_storeu_ps(lanes, total);
-        const float inv = 1.0f / sum_lanes(lanes);
-#pragma omp simd
-        for (int64_t c = 0; c < nv; c++) sr[c] *= inv;
-      }
+      for (int64_t r = 0; r < rows; r++) softmax_row(scores.data() + r * padded_context, visible[r]);
       for (int64_t r = 0; r < rows; r += 4) {
         const float* probs = scores.data() + r * padded_context;
         T* o = out_rows + (j0 + r) * out_stride;
@@ -372,6 +442,239 @@ void cached_attention_rows_avx512(const T* q, int64_t q_row_stride, const T* k_c
           SPECDEC_ROWS(3)
           SPECDEC_ROWS(4)
 #undef SPECDEC_ROWS
+        }
+      }
+    }
+  });
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// bfloat16 attention with the scores on vdpbf16ps (head dims that are a multiple of 32). A work
+// item is one sequence, one KV head and a tile of its queries, with the `share` query heads of
+// that KV head as rows of the tile (or, when there are too few items to keep every thread busy,
+// one query head), so that each key is read and rearranged once for all of them. Keys are taken
+// 16 at a time and transposed into pairs, [dim / 2][16 keys] of 32-bit words, so one vdpbf16ps
+// adds a query's products for one pair of dims to 16 keys' scores at once: a score is the chain
+// over its pairs in order (vdpbf16ps rounds each product into the sum, odd dim first), the first
+// half of the pairs and the second in two chains added at the end, and nothing depends on the
+// tile, the item or the batch. Softmax and the weighted values are those of the float32 path.
+constexpr int64_t kScoreRows = 4;  // rows whose chains interleave (two chains each)
+constexpr int64_t kMaxPairs = 128;  // head dims up to 256
+constexpr int64_t kValueRows = 6;   // rows per pass over the values: 6 x 4 sums + 4 value pairs
+
+// Transpose 16 rows of 16 32-bit words (r[i] = row i) in place: r[j] = word j of every row.
+inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; i++) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 4; i++) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xDD);
+    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xDD);
+  }
+}
+
+// The scores of R rows against the 16 keys whose pairs are in kt ([pairs][16]), scaled.
+template <int R>
+inline void pair_scores(const int32_t* const* queries, const __m512i* kt, int64_t pairs,
+                        float scale, float* const* out) {
+  __m512 lo[R], hi[R];
+  for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm512_setzero_ps();
+  const int64_t half = pairs / 2;
+  for (int64_t p = 0; p < half; p++)
+    for (int r = 0; r < R; r++) {
+      lo[r] = _mm512_dpbf16_ps(lo[r], (__m512bh)_mm512_set1_epi32(queries[r][p]), (__m512bh)kt[p]);
+      hi[r] = _mm512_dpbf16_ps(hi[r], (__m512bh)_mm512_set1_epi32(queries[r][half + p]),
+                               (__m512bh)kt[half + p]);
+    }
+  for (int r = 0; r < R; r++)
+    _mm512_storeu_ps(out[r], _mm512_mul_ps(_mm512_add_ps(lo[r], hi[r]), _mm512_set1_ps(scale)));
+}
+
+// out[r] = the probabilities of row r (bf16, in key pairs) times the values, for R rows and the
+// 64 dims from `offset`: one vdpbf16ps per row, key pair and 16 dims. The values of keys c and
+// c + 1 are interleaved by dim (unpack), so each sum is the chain over the key pairs in order.
+// Row r takes the first pairs[r] pairs (its last key's partner has probability zero).
+template <int R>
+inline void weigh_value_pairs(const BFloat16* v_cache, const int64_t* slots, int64_t seen,
+                              int64_t slot_stride, int64_t offset, const int32_t* const* probs,
+                              const int64_t* pairs, BFloat16* const* outs) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; r++)
+    for (int i = 0; i < 4; i++) acc[r][i] = _mm512_setzero_ps();
+  const int64_t last = pairs[R - 1];  // rows see more keys as they go
+  for (int64_t kp = 0; kp < last; kp++) {
+    const int64_t c0 = 2 * kp, c1 = std::min(2 * kp + 1, seen - 1);  // past the end: weight 0
+    const BFloat16* a = v_cache + slots[c0] * slot_stride + offset;
+    const BFloat16* b = v_cache + slots[c1] * slot_stride + offset;
+    const __m512i a0 = _mm512_loadu_si512(a), a1 = _mm512_loadu_si512(a + 32);
+    const __m512i b0 = _mm512_loadu_si512(b), b1 = _mm512_loadu_si512(b + 32);
+    const __m512i v[4] = {_mm512_unpacklo_epi16(a0, b0), _mm512_unpackhi_epi16(a0, b0),
+                          _mm512_unpacklo_epi16(a1, b1), _mm512_unpackhi_epi16(a1, b1)};
+    for (int r = 0; r < R; r++) {
+      if (kp >= pairs[r]) continue;
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(probs[r][kp]);
+      for (int i = 0; i < 4; i++) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], p, (__m512bh)v[i]);
+    }
+  }
+  // unpack left dims 8L..8L+3 of each 128-bit lane L in the low vector, 8L+4..8L+7 in the high
+  const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i second =
+      _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+  for (int r = 0; r < R; r++)
+    for (int half = 0; half < 2; half++) {
+      const __m512 lo = acc[r][2 * half], hi = acc[r][2 * half + 1];
+      BFloat16* o = outs[r] + 32 * half;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, first, hi)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, second, hi)));
+    }
+}
+
+template <typename T>
+void cached_attention_bf16(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache,
+                           const int64_t* query_index, const int64_t* key_slots,
+                           const int64_t* q_len, const int64_t* c_len, T* out, int64_t groups, int64_t width, int64_t context,
+                           int64_t kv_heads, int64_t share, int64_t head_dim, float scale) {
+  static_assert(std::is_same_v<T, BFloat16>, "bfloat16 only");
+  const int64_t tiles = (width + kQueryTile - 1) / kQueryTile;
+  const int64_t heads = kv_heads * share, pairs = head_dim / 2;
+  // An item is a tile of one sequence's queries with every head, so that each cached key slot
+  // (all KV heads side by side) is read from memory once; where that leaves fewer than four
+  // items per thread, one KV head, or one query head, per item.
+  const int64_t threads = at::get_num_threads();
+  int64_t split = 1;  // parts per (sequence, tile): 1, kv_heads or heads
+  if (groups * tiles < 4 * threads) split = groups * tiles * kv_heads < 4 * threads ? heads : kv_heads;
+  const int64_t items = groups * tiles * split;
+  const int64_t item_heads = split == heads ? 1 : share;  // query heads per KV head of an item
+  const int64_t item_kv = split == 1 ? kv_heads : 1;     // KV heads of an item
+  const int64_t slot_stride = kv_heads * head_dim;
+  const int64_t padded_context = (context + kLanes - 1) / kLanes * kLanes;
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    const int64_t max_rows = kQueryTile * item_heads;
+    std::vector<float> scores(max_rows * padded_context);
+    std::vector<int64_t> visible(max_rows);
+    std::vector<const int32_t*> queries(max_rows);
+    std::vector<BFloat16*> outputs(max_rows);
+    std::vector<uint16_t> probs16(max_rows * padded_context);
+    std::vector<const int32_t*> prob_rows(max_rows);
+    std::vector<int64_t> pair_count(max_rows);
+    __m512i kt[kMaxPairs];
+    for (int64_t item = begin; item < end; item++)
+    for (int64_t kv = 0; kv < item_kv; kv++) {
+      const int64_t part = item % split, g = item / (split * tiles);
+      // tiles in the order 0, last, 1, last - 1, ...: a later tile of a causal prompt sees more
+      // keys, and the threads' contiguous shares of the items then cost about the same
+      const int64_t t = (item / split) % tiles, tile = t % 2 == 0 ? t / 2 : tiles - 1 - t / 2;
+      const int64_t h = split == 1 ? kv : (split == kv_heads ? part : part / share);
+      const int64_t head0 = split == heads ? part : h * share;  // the first query head
+      const int64_t j0 = tile * kQueryTile, j1 = std::min(width, j0 + kQueryTile);
+      const int64_t real_end = std::min(j1, q_len[g]);  // queries past q_len[g] are padding
+      for (int64_t j = std::max(j0, real_end); j < j1; j++)
+        for (int64_t i = 0; i < item_heads; i++)
+          std::fill_n(out + ((g * width + j) * heads + head0 + i) * head_dim, head_dim,
+                      BFloat16(0.0f));
+      if (real_end <= j0) continue;
+      const int64_t rows = (real_end - j0) * item_heads;  // row r: query j0 + r / item_heads
+      for (int64_t r = 0; r < rows; r++) {
+        const int64_t j = j0 + r / item_heads, qh = head0 + r % item_heads;
+        visible[r] = c_len[g] - q_len[g] + j + 1;
+        queries[r] = reinterpret_cast<const int32_t*>(q + query_index[g * width + j] * q_row_stride +
+                                                      qh * head_dim);
+        outputs[r] = out + ((g * width + j) * heads + qh) * head_dim;
+      }
+      const int64_t seen = visible[rows - 1];  // the last query sees the most keys
+      const int64_t* slots = key_slots + g * context;
+      // The next 16 keys' and values' rows are prefetched into L2 while these are scored: the
+      // block table scatters a sequence over the pool, beyond the hardware prefetcher's reach.
+      // An item of every head fetches whole slots on its first KV head, for the others too.
+      const bool fetch = split != 1 || kv == 0;
+      const int64_t fetch_offset = split == 1 ? 0 : h * head_dim;
+      const int64_t fetch_bytes = (split == 1 ? slot_stride : head_dim) * 2;
+      for (int64_t c0 = 0; c0 < seen; c0 += kLanes) {
+        const int64_t n = std::min<int64_t>(kLanes, seen - c0);
+        if (fetch)
+          for (int64_t c = c0 + kLanes; c < std::min(seen, c0 + 2 * kLanes); c++)
+            for (int64_t byte = 0; byte < fetch_bytes; byte += 64) {
+              _mm_prefetch(reinterpret_cast<const char*>(k_cache + slots[c] * slot_stride + fetch_offset) + byte, _MM_HINT_T1);
+              _mm_prefetch(reinterpret_cast<const char*>(v_cache + slots[c] * slot_stride + fetch_offset) + byte, _MM_HINT_T1);
+            }
+        for (int64_t b = 0; b < pairs; b += kLanes) {  // 16 pairs of 16 keys at a time
+          __m512i block[kLanes];
+          for (int64_t l = 0; l < kLanes; l++) {
+            const BFloat16* key = k_cache + slots[c0 + std::min(l, n - 1)] * slot_stride + h * head_dim;
+            block[l] = _mm512_loadu_si512(key + 2 * b);
+          }
+          transpose16(block);
+          for (int64_t i = 0; i < kLanes; i++) kt[b + i] = block[i];
+        }
+        int64_t first = 0;  // rows that see none of these keys are skipped
+        while (first < rows && visible[first] <= c0) first++;
+        for (int64_t r = first; r < rows; r += kScoreRows) {
+          float* dst[kScoreRows];
+          const int64_t count = std::min<int64_t>(kScoreRows, rows - r);
+          for (int64_t i = 0; i < count; i++) dst[i] = scores.data() + (r + i) * padded_context + c0;
+          switch (count) {
+            case 4: pair_scores<4>(queries.data() + r, kt, pairs, scale, dst); break;
+            case 3: pair_scores<3>(queries.data() + r, kt, pairs, scale, dst); break;
+            case 2: pair_scores<2>(queries.data() + r, kt, pairs, scale, dst); break;
+            default: pair_scores<1>(queries.data() + r, kt, pairs, scale, dst); break;
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; r++) softmax_row(scores.data() + r * padded_context, visible[r]);
+      // Probabilities rounded to bf16 (as transformers' eager attention rounds them before
+      // the product with the values), in key pairs, zero past each row's last key.
+      for (int64_t r = 0; r < rows; r++) {
+        const float* sr = scores.data() + r * padded_context;
+        uint16_t* pr = probs16.data() + r * padded_context;
+        const int64_t nv = visible[r];
+        for (int64_t c = 0; c < nv; c += kLanes) {
+          const __mmask16 mask = static_cast<__mmask16>(nv - c >= kLanes ? 0xFFFF : (1u << (nv - c)) - 1);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + c),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, sr + c)));
+        }
+        if (nv % 2) pr[nv] = 0;  // the partner of an odd row's last key
+        pair_count[r] = (nv + 1) / 2;
+        prob_rows[r] = reinterpret_cast<const int32_t*>(pr);
+      }
+      for (int64_t piece = 0; piece < head_dim; piece += 64) {
+        for (int64_t r = 0; r < rows; r += kValueRows) {
+          BFloat16* dst[kValueRows];
+          const int64_t count = std::min<int64_t>(kValueRows, rows - r);
+          for (int64_t i = 0; i < count; i++) dst[i] = outputs[r + i] + piece;
+          const int64_t offset = h * head_dim + piece;
+          switch (count) {
+#define SPECDEC_ROWS(R)                                                                   \
+  case R:                                                                                 \
+    weigh_value_pairs<R>(v_cache, slots, seen, slot_stride, offset, prob_rows.data() + r, \
+                         pair_count.data() + r, dst);                                     \
+    break;
+            SPECDEC_ROWS(1)
+            SPECDEC_ROWS(2)
+            SPECDEC_ROWS(3)
+            SPECDEC_ROWS(4)
+            SPECDEC_ROWS(5)
+            SPECDEC_ROWS(6)
+#undef SPECDEC_ROWS
+          }
         }
       }
     }
@@ -520,6 +823,15 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "cached_attention", [&] {
 #if defined(__AVX512F__)
     constexpr bool vectorised = std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, BFloat16>;
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<scalar_t, BFloat16>) if (head_dim % 64 == 0 && head_dim <= 2 * kMaxPairs) {
+      cached_attention_bf16<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), k_cache.data_ptr<scalar_t>(),
+                            v_cache.data_ptr<scalar_t>(), qi, ks, ql, cl,
+                            out.data_ptr<scalar_t>(), groups, width, context, kv_heads,
+                            heads / kv_heads, head_dim, static_cast<float>(scale));
+      return;
+    }
+#endif
     if constexpr (vectorised) if (head_dim % kLanes == 0) {
       cached_attention_rows_avx512(q.data_ptr<scalar_t>(), q.stride(0),
                                    k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), qi,

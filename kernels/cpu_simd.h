@@ -93,6 +93,52 @@ inline __m512 load16(const BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+
+// exp_approx for 16 lanes, the same operations in the same order (so the same bits; the build has
+// no contraction into fused multiply-adds).
+inline __m512 exp_approx16(__m512 x) {
+  const __m512 clamped = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(_mm512_sub_ps(clamped, _mm512_mul_ps(n, _mm512_set1_ps(0.693145751953125f))),
+                                 _mm512_mul_ps(n, _mm512_set1_ps(1.428606765330187045e-06f)));
+  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+  const float coeffs[] = {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
+  for (float c : coeffs) p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+  y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(88.0f), _CMP_GT_OQ), y,
+                           _mm512_set1_ps(__builtin_inff()));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_LT_OQ), y,
+                              _mm512_setzero_ps());
+}
+
+// Up to 16 elements of p (the rest zero) as float32, and back, rounded as torch rounds.
+inline __m512 load16_masked(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+inline __m512 load16_masked(const BFloat16* p, __mmask16 mask) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+// float32 -> bfloat16 bits, rounding to nearest even as c10::BFloat16 does (NaN: its quiet NaN)
+inline __m256i to_bf16_bits(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, _mm512_set1_epi32(0x7FC0)));
+}
+inline void store16_masked(float* p, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(p, mask, v); }
+inline void store16_masked(BFloat16* p, __m512 v, __mmask16 mask) {
+  _mm256_mask_storeu_epi16(p, mask, to_bf16_bits(v));
+}
+// v rounded to T and widened back: what the next torch op reads
+inline __m512 round16(__m512 v, const float*) { return v; }
+inline __m512 round16(__m512 v, const BFloat16*) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_bits(v)), 16));
+}
+inline __mmask16 tail_mask(int64_t remaining) {
+  return remaining >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << remaining) - 1);
+}
 #endif
 
 }  // namespace specdec_cpu
