@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from specdec.attention import AttentionMetadata, paged_attention
+from specdec.attention import AttentionMetadata, QueryGroup, paged_attention
 from specdec.kernels import cpu_ops
 from specdec.models.llama import LlamaForCausalLM
 from specdec.runner import ModelRunner, QueryChunk
@@ -215,6 +215,41 @@ def test_cached_attention_matches_sdpa_and_is_row_invariant(
     alone = paged_step([(*a, 31, 32)], caches, heads)
     assert torch.equal(alone, paged_step(steps["decodes"], caches, heads)[:1])
     assert torch.equal(alone, paged_step(steps["verify beside decode"], caches, heads)[:1])
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cached_attention_rows_do_not_depend_on_how_the_work_is_cut(dtype: torch.dtype) -> None:
+    """The kernel cuts a call into work items by how much it holds: one query head per item for
+    a lone decode, one KV head for a few sequences, whole sequences (every head) for many, and
+    tiles of 16 queries zig-zagged over a long chunk. A query's output must not notice."""
+    torch.manual_seed(5)
+    heads, kv_heads, head_dim, block = 9, 3, 64, 16
+    lengths = [200, *torch.randint(30, 150, (19,)).tolist()]
+    tables, next_block = [], 0
+    for n in lengths:
+        tables.append(list(range(next_block, next_block + -(-n // block))))
+        next_block += len(tables[-1])
+    k_cache, v_cache = (torch.randn(next_block, block, kv_heads, head_dim).to(dtype) for _ in "kv")
+    q = torch.randn(200, heads, head_dim).to(dtype)  # row i: the query at position i of seq 0
+
+    def attend(query_lens: list[int], seqs: list[int]) -> torch.Tensor:
+        """Seq 0's queries up to position 199 (its last query_lens[0]), beside decodes."""
+        group = QueryGroup.build(
+            query_lens, [lengths[i] for i in seqs], [tables[i] for i in seqs],
+            [0, *[query_lens[0]] * (len(seqs) - 1)], block, invariant=True,
+        )  # fmt: skip
+        rows = torch.cat([q[200 - query_lens[0] :], q[199:200]])  # neighbours reuse one query
+        out = ext().cached_attention(rows, k_cache, v_cache, group.query_index,
+                                     group.key_slots, group.query_lens, group.context_lens,
+                                     0.125)  # fmt: skip
+        return out[0, query_lens[0] - 1]  # seq 0's query at position 199
+
+    alone = attend([1], [0])  # one query head per item
+    assert torch.equal(alone, attend([1, 1, 1], [0, 1, 2]))  # one KV head per item
+    assert torch.equal(alone, attend([1] * 20, list(range(20))))  # whole sequences
+    assert torch.equal(alone, attend([9, 1, 1], [0, 1, 2]))  # the last of a verification
+    assert torch.equal(alone, attend([150], [0]))  # the last of a chunk of 10 tiles
 
 
 @needs_kernels
