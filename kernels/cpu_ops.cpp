@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -568,12 +569,15 @@ void cached_attention_bf16(const T* q, int64_t q_row_stride, const T* k_cache, c
   const int64_t slot_stride = kv_heads * head_dim;
   const int64_t padded_context = (context + kLanes - 1) / kLanes * kLanes;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    const int64_t max_rows = kQueryTile * item_heads;
-    std::vector<float> scores(max_rows * padded_context);
+    // Sized to the call (a decode's 3 rows, not a tile's 48) and left uninitialised: every
+    // entry read is written first. Zeroed buffers of a tile's size cost decodes a third of
+    // their time (fresh pages to fault in and clear on every call).
+    const int64_t max_rows = std::min(kQueryTile, width) * item_heads;
+    std::unique_ptr<float[]> scores(new float[max_rows * padded_context]);
+    std::unique_ptr<uint16_t[]> probs16(new uint16_t[max_rows * padded_context]);
     std::vector<int64_t> visible(max_rows);
     std::vector<const int32_t*> queries(max_rows);
     std::vector<BFloat16*> outputs(max_rows);
-    std::vector<uint16_t> probs16(max_rows * padded_context);
     std::vector<const int32_t*> prob_rows(max_rows);
     std::vector<int64_t> pair_count(max_rows);
     __m512i kt[kMaxPairs];
@@ -630,7 +634,7 @@ void cached_attention_bf16(const T* q, int64_t q_row_stride, const T* k_cache, c
         for (int64_t r = first; r < rows; r += kScoreRows) {
           float* dst[kScoreRows];
           const int64_t count = std::min<int64_t>(kScoreRows, rows - r);
-          for (int64_t i = 0; i < count; i++) dst[i] = scores.data() + (r + i) * padded_context + c0;
+          for (int64_t i = 0; i < count; i++) dst[i] = scores.get() + (r + i) * padded_context + c0;
           switch (count) {
             case 4: pair_scores<4>(queries.data() + r, kt, pairs, scale, dst); break;
             case 3: pair_scores<3>(queries.data() + r, kt, pairs, scale, dst); break;
@@ -639,12 +643,12 @@ void cached_attention_bf16(const T* q, int64_t q_row_stride, const T* k_cache, c
           }
         }
       }
-      for (int64_t r = 0; r < rows; r++) softmax_row(scores.data() + r * padded_context, visible[r]);
+      for (int64_t r = 0; r < rows; r++) softmax_row(scores.get() + r * padded_context, visible[r]);
       // Probabilities rounded to bf16 (as transformers' eager attention rounds them before
       // the product with the values), in key pairs, zero past each row's last key.
       for (int64_t r = 0; r < rows; r++) {
-        const float* sr = scores.data() + r * padded_context;
-        uint16_t* pr = probs16.data() + r * padded_context;
+        const float* sr = scores.get() + r * padded_context;
+        uint16_t* pr = probs16.get() + r * padded_context;
         const int64_t nv = visible[r];
         for (int64_t c = 0; c < nv; c += kLanes) {
           const __mmask16 mask = static_cast<__mmask16>(nv - c >= kLanes ? 0xFFFF : (1u << (nv - c)) - 1);
