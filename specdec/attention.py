@@ -209,7 +209,10 @@ def paged_attention(
     for start, end in meta.fresh_ranges:
         out[start:end] = _attend_causal(q[start:end], k[start:end], v[start:end], scale)
     for group in meta.groups:
-        out[group.valid_index] = attend(group).flatten(0, 1)[group.valid_rows]
+        rows = attend(group).flatten(0, 1)  # [G * Q, Hq, D]
+        if group.valid_rows.numel() != rows.shape[0]:  # drop the padding rows
+            rows = rows[group.valid_rows]
+        out.index_copy_(0, group.valid_index, rows)
     return out
 
 
