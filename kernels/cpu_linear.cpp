@@ -18,15 +18,18 @@
 // past it.
 //
 // bfloat16 (`pack_pairs`, `linear_pairs`): the weight is packed once into blocks of 16 features
-// whose inputs are interleaved in pairs, [out / 16][in / 2][16][2] (the layout Intel's VNNI
-// instructions read). One vdpbf16ps then adds, for 16 features at once, the products of one input
-// pair (broadcast) and each feature's weight pair: a feature's sum is a single chain over the
-// input pairs in order, from zero, with no horizontal reduction at the end. Tiles of up to
-// kPairRows rows by kPairBlocks feature blocks keep 24 chains in registers; each weight vector
-// loaded serves every row of the tile, and each broadcast input pair every block. Without
-// AVX512-BF16, each pair is two float32 fused multiply-adds, even input first (the products of
-// two bf16 values are exact in float32, so the scalar code computes the same). A bf16 output is
-// rounded once, after the bias is added in float32.
+// whose inputs are interleaved in pairs (the layout Intel's VNNI instructions and AMX tiles read;
+// see "weights packed in input pairs" below). With AMX, every row count runs on tiles (see
+// "bfloat16 on AMX tiles"). Without it, one vdpbf16ps adds, for 16 features at once, the products
+// of one input pair (broadcast) and each feature's weight pair: a feature's sum is a single chain
+// over the input pairs in order, from zero, with no horizontal reduction at the end. Tiles of up
+// to kPairRows rows by the kGroupBlocks blocks of a group keep 16 chains in registers; each
+// weight vector loaded serves every row of the tile, and each broadcast input pair every block.
+// Without AVX512-BF16, each pair is two float32 fused multiply-adds, even input first (the
+// products of two bf16 values are exact in float32, so the scalar code computes the same). The
+// two instructions do not round alike: measured here, vdpbf16ps adds the odd product and then the
+// even one, each rounded, and AMX matches neither that nor five other orders tried, so a machine
+// never mixes them. A bf16 output is rounded once, after the bias is added in float32.
 
 #include <torch/extension.h>
 

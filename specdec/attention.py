@@ -23,18 +23,22 @@ state flips near-tied argmaxes within a few dozen tokens. The idea is that of Th
 that does not depend on the batch. Here that holds because
 
 * attention runs in the C++ kernel for every group, which computes each score, softmax and
-  output row on its own in a fixed order; without the kernels, two bf16 matmuls whose shapes
-  keep oneDNN's per-element reduction order fixed for any number of queries (see
+  output row on its own in a fixed order, however it cuts the call into work items (per query
+  head, per KV head, whole sequences); without the kernels, two bf16 matmuls whose shapes keep
+  oneDNN's per-element reduction order fixed for any number of queries (see
   :func:`_attend_invariant`), with masked keys adding exact zeros;
-* the model's linears, whose oneDNN kernel changes above 32 rows, take their input in tiles of
-  at most that many (:class:`specdec.models.linear.PackedLinear`), and the other ops of a layer
-  work row by row (:mod:`specdec.kernels.cpu_ops`);
+* the model's linears run on weights packed in input pairs, each output one chain over its
+  inputs on AMX tiles or ``vdpbf16ps`` whatever the row count
+  (:class:`specdec.models.linear.RowLinear`; without the kernels, oneDNN calls of at most 32
+  rows, which holds on AMX CPUs), and the other ops of a layer work row by row
+  (:mod:`specdec.kernels.cpu_ops`);
 * there is no fresh path: every sequence reads its keys back from the cache, and a prompt chunk
   wider than :data:`NARROW_QUERY` queries is a group of its own (no padding to its width).
 
 ``tests/test_batch_invariance.py`` checks the property against one-token decodes on the kernels
-of the machine it runs on. What it costs is prefill speed (linears in 32-row tiles, attention
-without torch's flash kernel); ``batch_invariant=False`` trades the exactness back for that.
+of the machine it runs on. What it costs is prefill speed where the CPU has no AMX (linears at
+the ``vdpbf16ps`` rate instead of oneDNN's), and attention without torch's flash kernel;
+``batch_invariant=False`` trades the exactness back for that.
 """
 
 from __future__ import annotations
