@@ -353,23 +353,34 @@ inline void weigh_values_chunks(int64_t chunks, const T* v_cache, const int64_t*
 
 // Softmax over the first nv scores of a row, in place: the maximum, exp, 16 lane sums added
 // in sum_lanes' tree, then one multiply by the inverse.
+inline float softmax_exp_row(float* sr, int64_t nv);
+
 inline void softmax_row(float* sr, int64_t nv) {
+  const float inv = softmax_exp_row(sr, nv);
+#pragma omp simd
+  for (int64_t c = 0; c < nv; c++) sr[c] *= inv;
+}
+
+// The exponentials of softmax_row, in place; returns the inverse of their sum (which softmax_row
+// multiplies in, and the bf16 path multiplies in as it rounds the probabilities).
+inline float softmax_exp_row(float* sr, int64_t nv) {
   const int64_t full = nv / kLanes * kLanes;
   const __mmask16 tail = static_cast<__mmask16>((1u << (nv - full)) - 1);
   __m512 top = _mm512_set1_ps(-__builtin_inff());
   for (int64_t c = 0; c < full; c += kLanes) top = _mm512_max_ps(top, _mm512_loadu_ps(sr + c));
   top = _mm512_mask_max_ps(top, tail, top, _mm512_maskz_loadu_ps(tail, sr + full));
   const float peak = _mm512_reduce_max_ps(top);  // a maximum is exact in any order
-#pragma omp simd
-  for (int64_t c = 0; c < nv; c++) sr[c] = exp_approx(sr[c] - peak);
+  const __m512 shift = _mm512_set1_ps(peak);
   __m512 total = _mm512_setzero_ps();
-  for (int64_t c = 0; c < full; c += kLanes) total = _mm512_add_ps(total, _mm512_loadu_ps(sr + c));
-  total = _mm512_add_ps(total, _mm512_maskz_loadu_ps(tail, sr + full));
+  for (int64_t c = 0; c < nv; c += kLanes) {  // exp_approx(sr[c] - peak), summed in 16 lanes
+    const __mmask16 mask = tail_mask(nv - c);
+    const __m512 e = exp_approx16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sr + c), shift));
+    _mm512_mask_storeu_ps(sr + c, mask, e);
+    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(mask, e));
+  }
   float lanes[kLanes];
   _mm512_storeu_ps(lanes, total);
-  const float inv = 1.0f / sum_lanes(lanes);
-#pragma omp simd
-  for (int64_t c = 0; c < nv; c++) sr[c] *= inv;
+  return 1.0f / sum_lanes(lanes);
 }
 
 template <typename T>
@@ -576,6 +587,7 @@ void cached_attention_bf16(const T* q, int64_t q_row_stride, const T* k_cache, c
     std::unique_ptr<float[]> scores(new float[max_rows * padded_context]);
     std::unique_ptr<uint16_t[]> probs16(new uint16_t[max_rows * padded_context]);
     std::vector<int64_t> visible(max_rows);
+    std::vector<float> inverse(max_rows);
     std::vector<const int32_t*> queries(max_rows);
     std::vector<BFloat16*> outputs(max_rows);
     std::vector<const int32_t*> prob_rows(max_rows);
@@ -643,17 +655,17 @@ void cached_attention_bf16(const T* q, int64_t q_row_stride, const T* k_cache, c
           }
         }
       }
-      for (int64_t r = 0; r < rows; r++) softmax_row(scores.get() + r * padded_context, visible[r]);
+      for (int64_t r = 0; r < rows; r++) inverse[r] = softmax_exp_row(scores.get() + r * padded_context, visible[r]);
       // Probabilities rounded to bf16 (as transformers' eager attention rounds them before
       // the product with the values), in key pairs, zero past each row's last key.
       for (int64_t r = 0; r < rows; r++) {
         const float* sr = scores.get() + r * padded_context;
         uint16_t* pr = probs16.get() + r * padded_context;
         const int64_t nv = visible[r];
+        const __m512 inv = _mm512_set1_ps(inverse[r]);  // softmax_row's normalising multiply
         for (int64_t c = 0; c < nv; c += kLanes) {
-          const __mmask16 mask = static_cast<__mmask16>(nv - c >= kLanes ? 0xFFFF : (1u << (nv - c)) - 1);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + c),
-                              (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, sr + c)));
+          const __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(tail_mask(nv - c), sr + c), inv);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + c), (__m256i)_mm512_cvtneps_pbh(p));
         }
         if (nv % 2) pr[nv] = 0;  // the partner of an odd row's last key
         pair_count[r] = (nv + 1) / 2;
