@@ -19,7 +19,12 @@ from fastapi import FastAPI
 from specdec.llm import LLM
 from specdec.serving.bridge import AsyncEngine
 from specdec.serving.errors import install_error_handlers
-from specdec.serving.limits import AdmissionGate, ApiKeyMiddleware, BodyLimitMiddleware
+from specdec.serving.limits import (
+    AdmissionGate,
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    max_prompt_chars,
+)
 from specdec.serving.metrics import RequestCountMiddleware, ServerMetrics
 from specdec.serving.routes import router
 
@@ -34,15 +39,23 @@ class ServerConfig:
     max_queue: int = 1024  # most requests waiting for room; beyond, 503 with Retry-After
     max_body_bytes: int = 4 * 2**20  # larger request bodies get 413
     retry_after_s: int = 1  # the Retry-After of a 503
+    max_stop_strings: int = 64  # most stop strings (and stop token ids) per request; beyond, 400
+    max_stop_chars: int = 256  # longest stop string, in characters; beyond, 400
+    openapi: bool = False  # serve the OpenAPI schema at /openapi.json (behind the key, if set)
+    metrics_require_key: bool = False  # put /metrics behind the API key too
 
     def __post_init__(self) -> None:
-        for name in ("max_concurrent", "max_body_bytes", "retry_after_s"):
+        names = ("max_concurrent", "max_body_bytes", "retry_after_s", "max_stop_chars")
+        for name in names:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.max_queue < 0:
-            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        for name in ("max_queue", "max_stop_strings"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset for an open server)")
+        if self.metrics_require_key and self.api_key is None:
+            raise ValueError("metrics_require_key needs an api_key")
 
 
 @dataclass(slots=True)
@@ -55,6 +68,7 @@ class ServerState:
     engine: AsyncEngine  # the bridge to the engine thread
     metrics: ServerMetrics
     gate: AdmissionGate  # --max-concurrent and --max-queue
+    max_prompt_chars: int  # a longer prompt text cannot fit the context (refused untokenized)
     created: int = field(default_factory=lambda: int(time.time()))  # server start, Unix time
 
 
@@ -69,6 +83,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
         engine=AsyncEngine(llm.engine, on_iteration=metrics.observe_engine),
         metrics=metrics,
         gate=AdmissionGate(config.max_concurrent, config.max_queue, config.retry_after_s),
+        max_prompt_chars=max_prompt_chars(llm.tokenizer, llm.engine.max_model_len),
     )
     metrics.queued.set_function(lambda: state.gate.num_waiting)
     metrics.observe_engine(llm.engine)
@@ -81,15 +96,27 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
         finally:
             await asyncio.to_thread(state.engine.shutdown)
 
-    app = FastAPI(title="specdec", version="0.1.0", lifespan=lifespan)
+    # No /docs or /redoc: their pages load scripts from a public CDN, which fails offline.
+    openapi_url = "/openapi.json" if config.openapi else None
+    app = FastAPI(
+        title="specdec",
+        version="0.1.0",
+        lifespan=lifespan,
+        openapi_url=openapi_url,
+        docs_url=None,
+        redoc_url=None,
+    )
     app.state.server = state
     app.include_router(router)
     install_error_handlers(app)
     # The last added is the outermost: count everything, then check the key, then the size.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     if config.api_key is not None:
+        protected = {"/openapi.json"} | ({"/metrics"} if config.metrics_require_key else set())
         app.add_middleware(
-            ApiKeyMiddleware, api_key=config.api_key, is_protected=lambda p: p.startswith("/v1/")
+            ApiKeyMiddleware,
+            api_key=config.api_key,
+            is_protected=lambda path: path.startswith("/v1/") or path in protected,
         )
     routes = frozenset(getattr(r, "path", "") for r in router.routes)
     app.add_middleware(RequestCountMiddleware, metrics=metrics, routes=routes)

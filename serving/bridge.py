@@ -125,9 +125,9 @@ class AsyncEngine:
                 if self.on_iteration is not None:
                     self.on_iteration(self.engine)
             self.error = EngineDeadError("the server is shutting down")
-        except BaseException as e:  # noqa: BLE001 - every request must learn that it failed
+        except BaseException:  # noqa: BLE001 - every request must learn that it failed
             logger.exception("the engine thread failed; open requests are failed")
-            self.error = EngineDeadError(f"the engine failed: {e!r}")
+            self.error = EngineDeadError("the engine failed (the server logged why)")
         finally:
             with self._lock:
                 self._accepting = False

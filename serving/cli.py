@@ -50,6 +50,30 @@ def _is_loopback(host: str) -> bool:
     type=click.IntRange(min=0),
     help="Most requests waiting for room; beyond, 503 with Retry-After.",
 )
+@click.option(
+    "--max-stop-strings",
+    default=64,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Most stop strings (and stop token ids) per request; beyond, 400.",
+)
+@click.option(
+    "--max-stop-chars",
+    default=256,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Longest stop string, in characters; beyond, 400.",
+)
+@click.option(
+    "--metrics-require-key",
+    is_flag=True,
+    help="Put /metrics behind --api-key too (by default it is open, as in vLLM).",
+)
+@click.option(
+    "--openapi",
+    is_flag=True,
+    help="Serve the OpenAPI schema at /openapi.json (behind --api-key, if set).",
+)
 @click.option("--served-model-name", default=None, help="Name clients send as `model`.")
 @click.option("--max-model-len", default=None, type=int, help="Longest prompt + output.")
 @click.option("--max-num-seqs", default=64, show_default=True, type=int, help="Batch size cap.")
@@ -67,6 +91,10 @@ def serve(
     api_key: str | None,
     max_concurrent: int,
     max_queue: int,
+    max_stop_strings: int,
+    max_stop_chars: int,
+    metrics_require_key: bool,
+    openapi: bool,
     served_model_name: str | None,
     max_model_len: int | None,
     max_num_seqs: int,
@@ -78,7 +106,16 @@ def serve(
     from specdec.serving.app import ServerConfig, build_app
 
     try:
-        config = ServerConfig(served_model_name, api_key, max_concurrent, max_queue)
+        config = ServerConfig(
+            served_model_name=served_model_name,
+            api_key=api_key,
+            max_concurrent=max_concurrent,
+            max_queue=max_queue,
+            max_stop_strings=max_stop_strings,
+            max_stop_chars=max_stop_chars,
+            openapi=openapi,
+            metrics_require_key=metrics_require_key,
+        )
         llm = LLM(
             model,
             dtype=dtype,

@@ -1,14 +1,18 @@
 """Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
 
 Every error the server sends has this body, whatever raised it: a handler (:class:`APIError`),
-FastAPI's request validation (400 naming the offending field), Starlette's routing (404, 405) or
-an unexpected exception (500, logged with its traceback).
+FastAPI's request validation (400 naming the offending field), a body that is not JSON (400
+saying why: invalid UTF-8, nesting too deep, a number too long), Starlette's routing (404, 405)
+or an unexpected exception (500, logged with its traceback; the body never carries the
+exception's text). Bodies are rendered as ASCII JSON, so an echoed value that is not valid
+Unicode cannot break the response.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -51,7 +55,14 @@ class APIError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+        return AsciiJSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+
+
+class AsciiJSONResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped: renders any string, lone surrogates too."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
 
 
 def field_path(loc: Sequence[str | int]) -> str:
@@ -85,6 +96,25 @@ def validation_error(errors: Sequence[Any]) -> APIError:
     return APIError(400, "; ".join(messages), param=field_path(first["loc"]) or None)
 
 
+def body_parse_error(cause: BaseException | None) -> APIError:
+    """A 400 saying why a body that looked like JSON could not be parsed (FastAPI chains the
+    parser's exception to its generic "There was an error parsing the body")."""
+    if isinstance(cause, UnicodeDecodeError):
+        message = (
+            f"The request body is not valid UTF-8: {cause.reason} at byte {cause.start} "
+            f"({cause.object[cause.start : cause.start + 1]!r})"
+        )
+    elif isinstance(cause, RecursionError):
+        message = "The JSON body is nested too deeply: keep arrays and objects a few levels deep"
+    elif isinstance(cause, ValueError) and "digits" in str(cause):
+        limit = sys.get_int_max_str_digits()
+        message = f"A number in the JSON body is too long: integers may have at most {limit} digits"
+    else:
+        name = type(cause).__name__ if cause is not None else "unknown error"
+        message = f"The request body could not be read as JSON ({name})"
+    return APIError(400, message)
+
+
 def _short(value: Any, limit: int = 60) -> str:
     text = json.dumps(value, default=repr)
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -103,6 +133,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, HTTPException)
+        if exc.status_code == 400 and exc.__cause__ is not None:
+            return body_parse_error(exc.__cause__).response()
         if exc.status_code == 404:
             message = f"Unknown route: {request.method} {request.url.path}"
         elif exc.status_code == 405:
@@ -114,7 +146,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unexpected error on %s %s", request.method, request.url.path)
-        return APIError(500, f"Internal server error: {exc!r}", "server_error").response()
+        message = "Internal server error: the server logged the details"
+        return APIError(500, message, "server_error").response()
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)

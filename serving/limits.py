@@ -1,6 +1,9 @@
 """What the server lets in: the API key, the body size, and how many requests run or wait.
 
 Terms:
+    longest token: the most characters one token of the vocabulary stands for. A text of ``c``
+        characters is at least ``c / longest`` tokens, so a prompt longer than
+        :func:`max_prompt_chars` cannot fit the context and is refused before it is tokenized.
     running sequences: sequences admitted to the engine and not yet finished or aborted (a request
         with ``n`` choices over ``p`` prompts holds ``n * p``).
     waiting requests: HTTP requests that wait, first come first served, for room to run. Beyond
@@ -13,10 +16,20 @@ import asyncio
 import secrets
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specdec.serving.errors import APIError
+
+# Headroom for tokenizers whose normalizer shortens text (accent stripping, say) before it is split.
+_NORMALIZER_HEADROOM = 2
+
+
+def max_prompt_chars(tokenizer: Any, max_model_len: int) -> int:  # noqa: ANN401 - transformers
+    """Characters beyond which a prompt's text cannot fit ``max_model_len`` tokens."""
+    longest = max((len(token) for token in tokenizer.get_vocab()), default=1)
+    return max_model_len * max(longest, 1) * _NORMALIZER_HEADROOM
 
 
 class AdmissionGate:
@@ -120,17 +133,24 @@ def _replay(messages: list[Message], receive: Receive) -> Receive:
 
 
 class ApiKeyMiddleware:
-    """Refuse ``/v1/...`` requests without ``Authorization: Bearer <api_key>`` with 401."""
+    """Refuse protected paths without ``Authorization: Bearer <api_key>`` with 401.
+
+    The scheme name is case-insensitive (RFC 7235: ``bearer`` and ``BEARER`` work too); the key
+    is compared in constant time.
+    """
 
     def __init__(self, app: ASGIApp, api_key: str, is_protected: Callable[[str], bool]):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
         self.is_protected = is_protected  # which paths need the key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self.is_protected(scope["path"]):
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
+            scheme, _, key = given.strip().partition(b" ")
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(
+                key.strip(), self.expected
+            ):
                 error = APIError(
                     401,
                     "Missing or incorrect API key: send the header `Authorization: Bearer <key>`",

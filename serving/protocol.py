@@ -27,6 +27,23 @@ _INT64 = 2**63
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
+    @field_validator("*")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        """Refuse text that is not valid Unicode: JSON lets a lone UTF-16 surrogate (``"\\ud800"``)
+        through, and neither the tokenizer nor a UTF-8 encoder can take one."""
+        pending = [value]
+        while pending:  # iterative: a value may be nested as deep as the JSON parser allowed
+            item = pending.pop()
+            if isinstance(item, str):
+                _check_unicode(item)
+            elif isinstance(item, list):
+                pending.extend(item)
+            elif isinstance(item, dict):
+                pending.extend(item.keys())
+                pending.extend(item.values())
+        return value
+
 
 class StreamOptions(StrictModel):
     include_usage: bool | None = None  # end the stream with a chunk holding the usage
@@ -184,6 +201,18 @@ class ChatCompletionRequest(GenerationFields):
 
     def conversation(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.content or ""} for m in self.messages]
+
+
+def _check_unicode(text: str) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"contains a lone UTF-16 surrogate (U+{ord(text[e.start]):04X}) at character "
+            f"{e.start}, which is not valid Unicode text"
+        ) from None
 
 
 def _is_token_ids(value: Any) -> bool:

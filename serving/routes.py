@@ -1,12 +1,15 @@
 """The HTTP routes: completions, chat completions, models, health and metrics.
 
-A generation route checks the model name, tokenizes (raw prompts for completions, the chat
-template for chat), turns the body into one :class:`GenerationRequest` per choice and runs them
-as a :class:`Generation`: streamed as server-sent events, or collected into one response.
+A generation route checks the model name and the stop strings, tokenizes (raw prompts for
+completions, the chat template for chat), turns the body into one :class:`GenerationRequest` per
+choice and runs them as a :class:`Generation`: streamed as server-sent events, or collected into
+one response. Templates are rendered and prompts tokenized in worker threads, never on the event
+loop, and a prompt text too long to fit the context is refused before it is tokenized.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import TYPE_CHECKING
@@ -69,7 +72,8 @@ async def models(request: Request) -> ModelList:
 async def completions(body: CompletionRequest, request: Request) -> Response:
     state = server_state(request)
     check_model(state, body.model)
-    prompts = [state.llm.encode(prompt) for prompt in body.prompt]
+    check_stops(state, body)
+    prompts = [await tokenize(state, prompt, "prompt") for prompt in body.prompt]
     generation = make_generation(state, body, prompts, "prompt")
     meta = ResponseMeta("cmpl", state.model_name)
     full = partial(completion_response, generation, meta)
@@ -81,11 +85,13 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     state = server_state(request)
     check_model(state, body.model)
+    check_stops(state, body)
     try:
-        prompt = state.llm.apply_chat_template(body.conversation())
+        text = await asyncio.to_thread(state.llm.render_chat, body.conversation())
     except (ValueError, jinja2.TemplateError) as e:
         message = f"The chat template refused the messages: {e}"
         raise APIError(400, message, param="messages") from e
+    prompt = await tokenize(state, text, "messages")
     generation = make_generation(state, body, [prompt], "messages")
     meta = ResponseMeta("chatcmpl", state.model_name)
     full = partial(chat_response, generation, meta)
@@ -101,6 +107,42 @@ def check_model(state: ServerState, model: str | None) -> None:
             param="model",
             code="model_not_found",
         )
+
+
+def check_stops(state: ServerState, body: GenerationFields) -> None:
+    """400 for more stop strings or stop token ids, or longer stop strings, than the server takes."""
+    config = state.config
+    for param, values in (("stop", body.stop), ("stop_token_ids", body.stop_token_ids)):
+        if values is not None and len(values) > config.max_stop_strings:
+            raise APIError(
+                400,
+                f"{param} has {len(values)} entries, but this server takes at most "
+                f"{config.max_stop_strings}",
+                param=param,
+            )
+    longest = max((len(s) for s in body.stop or []), default=0)
+    if longest > config.max_stop_chars:
+        raise APIError(
+            400,
+            f"stop has a string of {longest} characters, but this server takes stop strings of "
+            f"at most {config.max_stop_chars}",
+            param="stop",
+        )
+
+
+async def tokenize(state: ServerState, prompt: str | list[int], param: str) -> list[int]:
+    """The prompt's token ids, tokenized in a worker thread; 400 for a text that cannot fit."""
+    if isinstance(prompt, str) and len(prompt) > state.max_prompt_chars:
+        max_model_len = state.llm.engine.max_model_len
+        raise APIError(
+            400,
+            f"The {param} is too long: {len(prompt)} characters cannot fit the context of "
+            f"{max_model_len} tokens (this tokenizer needs more tokens than that for any text "
+            f"over {state.max_prompt_chars} characters)",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return await asyncio.to_thread(state.llm.encode, prompt)
 
 
 def make_generation(

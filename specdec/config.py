@@ -6,7 +6,12 @@ Both are dataclasses validated on construction, so a bad value fails where it is
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Temperatures below this decode greedily, as in vLLM: at 1e-38 and below, logits / temperature
+# overflows float32 and the distribution becomes NaN, and long before that it is one-hot anyway.
+MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
 @dataclass(slots=True)
@@ -14,7 +19,7 @@ class SamplingParams:
     """How one request is decoded (the fields and defaults of vLLM's ``SamplingParams``)."""
 
     max_tokens: int = 16  # most tokens to generate
-    temperature: float = 1.0  # 0 means greedy (argmax)
+    temperature: float = 1.0  # 0 (or below MIN_SAMPLING_TEMPERATURE) means greedy (argmax)
     top_p: float = 1.0  # keep the smallest set of tokens with this much mass; 1 disables
     top_k: int = 0  # keep the k most likely tokens; 0 or -1 disables
     min_p: float = 0.0  # keep tokens with at least min_p x the top probability; 0 disables
@@ -32,7 +37,13 @@ class SamplingParams:
             f"max_tokens must be an integer, got {self.max_tokens!r}",
         )
         _check(self.max_tokens > 0, f"max_tokens must be at least 1, got {self.max_tokens}")
+        _check(
+            isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature),
+            f"temperature must be a finite number, got {self.temperature!r}",
+        )
         _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature < MIN_SAMPLING_TEMPERATURE:
+            self.temperature = 0.0
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         _check(
             isinstance(self.top_k, int) and self.top_k >= -1,

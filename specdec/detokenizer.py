@@ -2,8 +2,12 @@
 
 The whole output is decoded again each step (cheap next to a forward pass, and always equal to
 what one final decode gives). A stop string ends the request: the tokens up to the one that
-completed it are kept, the text stops just before it. While a request runs, a delta holds back
-text that might still become a stop string, and an incomplete UTF-8 character.
+completed it are kept, the text stops just before it. Stop strings are looked for in the text a
+step added (and the longest stop string's length before it), so the cost of a step does not grow
+with the output. A stop string also wins when the step that completed it ended the request by
+length or an end-of-sequence token: the request ends as if its tokens had arrived one at a time,
+with ``finish_reason`` "stop". While a request runs, a delta holds back text that might still
+become a stop string, and an incomplete UTF-8 character.
 """
 
 from __future__ import annotations
@@ -23,10 +27,10 @@ class Detokenizer:
         """Update ``seq.output_text``, finishing ``seq`` on a stop string; return the new text."""
         text = self.decode(seq.output_token_ids)
         stops = seq.params.stop
-        if stops and not seq.is_finished:
+        if stops and seq.finish_reason != "abort":
             text = self._cut_at_stop(seq, text, scheduler)
         if not seq.is_finished:
-            text = text[: len(text) - _held_back(text, stops)]
+            text = text[: len(text) - held_back(text, stops)]
         delta = text[len(seq.output_text) :] if text.startswith(seq.output_text) else ""
         seq.output_text += delta
         return delta
@@ -43,17 +47,25 @@ class Detokenizer:
         while num_tokens > 1 and len(self.decode(seq.output_token_ids[: num_tokens - 1])) > cut:
             num_tokens -= 1
         scheduler.finish(seq, "stop", num_output_tokens=num_tokens)
+        seq.finish_reason = "stop"  # also when this step's last token ended it by length or EOS
         return text[:cut]
 
 
-def _held_back(text: str, stops: list[str]) -> int:
-    """Characters at the end of ``text`` to withhold from a stream for now."""
+def held_back(text: str, stops: list[str]) -> int:
+    """Characters at the end of ``text`` to withhold from a stream for now: an incomplete
+    character, or the longest end of ``text`` that begins one of ``stops``.
+
+    Only the positions in the last ``len(stop) - 1`` characters where the stop's first character
+    occurs are tried, longest first, so a step costs little even with many long stop strings.
+    """
     if text.endswith("\ufffd"):  # an incomplete multi-byte character
         return len(text) - len(text.rstrip("\ufffd"))
     held = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), held, -1):
-            if text.endswith(s[:n]):
-                held = n
+    for stop in stops:
+        i = text.find(stop[0], max(0, len(text) - len(stop) + 1))
+        while i >= 0 and len(text) - i > held:
+            if stop.startswith(text[i:]):
+                held = len(text) - i
                 break
+            i = text.find(stop[0], i + 1)
     return held

@@ -104,14 +104,18 @@ class LLM:
             self.engine.abort(request_id)
 
     def apply_chat_template(self, conversation: Conversation) -> list[int]:
+        """The prompt token ids of ``conversation`` (with the assistant's turn opened)."""
+        return self.encode(self.render_chat(conversation))
+
+    def render_chat(self, conversation: Conversation) -> str:
+        """The prompt text of ``conversation`` through the tokenizer's chat template."""
         if not conversation:
             raise ValueError("conversation is empty: give at least one message")
-        ids: Any = self.tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=True, tokenize=True
+        text = self.tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=True, tokenize=False
         )
-        if not isinstance(ids, list):  # newer transformers return a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
+        assert isinstance(text, str)
+        return text
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

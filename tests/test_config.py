@@ -1,6 +1,7 @@
 import pytest
 
 from specdec import EngineConfig, SamplingParams
+from specdec.config import MIN_SAMPLING_TEMPERATURE
 
 
 @pytest.mark.parametrize(
@@ -10,6 +11,9 @@ from specdec import EngineConfig, SamplingParams
         ({"max_tokens": -5}, "max_tokens must be at least 1"),
         ({"max_tokens": 2.5}, "max_tokens must be an integer"),
         ({"temperature": -0.1}, "temperature must be >= 0"),
+        ({"temperature": float("inf")}, "temperature must be a finite number"),
+        ({"temperature": float("nan")}, "temperature must be a finite number"),
+        ({"temperature": "hot"}, "temperature must be a finite number"),
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
         ({"top_k": -2}, "top_k must be"),
@@ -22,6 +26,13 @@ from specdec import EngineConfig, SamplingParams
 def test_sampling_params_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 1e-30, 1e-45, 1e-320])
+def test_temperatures_below_the_floor_decode_greedily(temperature):
+    params = SamplingParams(temperature=temperature)
+    assert params.is_greedy and params.temperature == 0.0
+    assert not SamplingParams(temperature=MIN_SAMPLING_TEMPERATURE).is_greedy
 
 
 def test_sampling_params_defaults_and_single_stop_string():

@@ -111,6 +111,16 @@ def test_stop_strings_cut_text_and_tokens(make_llm):
     assert len(out.token_ids) < len(full.token_ids)
 
 
+def test_a_tiny_temperature_decodes_greedily(make_llm):
+    """1e-45 once made every probability NaN, and token 0 won every step."""
+    llm = make_llm()
+    greedy = llm.generate(PROMPTS, GREEDY)
+    for temperature in (1e-45, 1e-46):  # 1e-46 is 0 in float32, 1e-45 a subnormal
+        params = SamplingParams(temperature=temperature, max_tokens=24, ignore_eos=True, seed=1)
+        tiny = llm.generate(PROMPTS, params)
+        assert [o.token_ids for o in tiny] == [o.token_ids for o in greedy]
+
+
 def test_stream_deltas_concatenate_to_generate(make_llm):
     llm = make_llm()
     whole = llm.generate(["stream me"], GREEDY)[0]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -136,6 +138,38 @@ def test_token_id_prompts_stop_strings_and_extra_fields(served, offline):
     )
     assert cut.choices[0].text == full.text[: full.text.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_completed_by_the_last_allowed_token_stops(served, offline, stream):
+    """`max_tokens` 7 once returned " red, blue, and green." with `length` for stop ".": the
+    last allowed token completed the stop string, and the cut was skipped on finished requests."""
+    prompt = [84, 85, 86, 5]  # the tiny model's 19th token here completes a fresh character
+    params = SamplingParams(max_tokens=19, temperature=0, ignore_eos=True)
+    full = offline.generate([prompt], params)[0]
+    stop = full.text[-1]
+    assert full.text.index(stop) == len(full.text) - 1
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 19, "temperature": 0, "stop": [stop]}
+    body |= {"ignore_eos": True, "stream": stream}
+    if stream:
+        with httpx.stream("POST", served.url + "/v1/completions", json=body) as response:
+            chunks = [
+                json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")
+            ]
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+        finish_reason = chunks[-1]["choices"][0]["finish_reason"]
+    else:
+        choice = served.post("/v1/completions", json=body).json()["choices"][0]
+        text, finish_reason = choice["text"], choice["finish_reason"]
+    assert (text, finish_reason) == (full.text[:-1], "stop")
+
+
+def test_a_tiny_temperature_is_greedy(served):
+    """1e-45 once made the probabilities NaN: token 0 every step, empty text."""
+    body = {"model": MODEL, "prompt": "tiny", "max_tokens": 12, "ignore_eos": True}
+    greedy = served.post("/v1/completions", json={**body, "temperature": 0}).json()
+    tiny = served.post("/v1/completions", json={**body, "temperature": 1e-45}).json()
+    assert tiny["choices"][0]["text"] == greedy["choices"][0]["text"]
 
 
 def test_max_tokens_defaults_to_the_rest_of_the_context(served):

@@ -53,6 +53,24 @@ BAD_REQUESTS = [
     (C, {"prompt": "x", "echo": True}, 400, "echo: is not supported", "echo"),
     (CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools: is not supported", "tools"),
     (C, {"prompt": "x", "stop": [""]}, 400, "stop must be non-empty strings", "stop"),
+    # Lone surrogates: JSON may escape one, but it is not Unicode text (this was a 500).
+    (C, '{"prompt": "a \\ud800", "max_tokens": 2}', 400, "prompt: contains a lone UTF-16 surrogate (U+D800) at character 2", "prompt"),
+    (C, '{"prompt": ["ok", "\\udfff"]}', 400, "lone UTF-16 surrogate", "prompt"),
+    (CHAT, '{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, "lone UTF-16 surrogate", "messages[0].content"),
+    (CHAT, '{"messages": [{"role": "\\ud800", "content": "x"}]}', 400, "lone UTF-16 surrogate", "messages[0].role"),
+    (CHAT, '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}', 400, "lone UTF-16 surrogate", "messages[0].content"),
+    (C, '{"prompt": "x", "model": "\\ud800"}', 400, "lone UTF-16 surrogate", "model"),
+    (C, '{"prompt": "x", "stop": ["\\ud800"]}', 400, "lone UTF-16 surrogate", "stop"),
+    # Bodies that are not JSON at all say why (these were "There was an error parsing the body").
+    (C, b'{"prompt": "\xff\xfe"}', 400, "The request body is not valid UTF-8: invalid start byte at byte 12", None),
+    (C, '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}", 400, "The JSON body is nested too deeply", None),
+    (C, '{"prompt": "x", "max_tokens": ' + "1" * 5000 + "}", 400, "integers may have at most 4300 digits", None),
+    # Stop lists the server does not take, and prompts too long to be worth tokenizing.
+    (C, {"prompt": "x", "stop": [f"s{i}" for i in range(65)]}, 400, "stop has 65 entries, but this server takes at most 64", "stop"),
+    (C, {"prompt": "x", "stop_token_ids": list(range(65))}, 400, "stop_token_ids has 65 entries", "stop_token_ids"),
+    (C, {"prompt": "x", "stop": ["y" * 257]}, 400, "stop has a string of 257 characters, but this server takes stop strings of at most 256", "stop"),
+    (C, {"prompt": "x" * 5000}, 400, "The prompt is too long: 5000 characters cannot fit the context of 512 tokens", "prompt"),
+    (CHAT, {"messages": [{"role": "user", "content": "x" * 5000}]}, 400, "The messages is too long", "messages"),
 ]  # fmt: skip
 
 
@@ -73,7 +91,7 @@ def wait_for(condition, timeout_s: float = 10.0) -> None:
 
 
 def assert_still_serving(served) -> None:
-    response = served.post(C, json={"prompt": "still there?", "max_tokens": 3})
+    response = served.post(C, json={"prompt": "still there?", "max_tokens": 3, "ignore_eos": True})
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
 
 
@@ -81,7 +99,7 @@ def assert_still_serving(served) -> None:
 def test_bad_request_gets_a_precise_error_and_the_server_goes_on(
     served, path, body, status, fragment, param
 ):
-    content = body if isinstance(body, str) else json.dumps(body)
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
     response = served.post(path, content=content, headers={"content-type": "application/json"})
     assert_error(response, status, fragment, param)
     assert_still_serving(served)
@@ -107,6 +125,61 @@ def test_api_key_is_required_on_v1_routes(make_server):
         openai.OpenAI(base_url=f"{served.url}/v1", api_key="nope", max_retries=0).models.list()
     assert served.client().models.list().data[0].id == MODEL
     assert httpx.get(served.url + "/health").status_code == 200  # probes need no key
+    for header in ("bearer s3cret", "BEARER s3cret", "Bearer  s3cret"):  # RFC 7235: any case
+        models = httpx.get(served.url + "/v1/models", headers={"Authorization": header})
+        assert models.status_code == 200, header
+    for header in ("s3cret", "Basic s3cret", "Bearers3cret", "Bearer s3cre"):
+        models = httpx.get(served.url + "/v1/models", headers={"Authorization": header})
+        assert models.status_code == 401, header
+    assert httpx.get(served.url + "/metrics").status_code == 200  # open by default, as in vLLM
+
+
+def test_docs_are_off_and_the_schema_and_metrics_can_be_put_behind_the_key(make_server):
+    open_server = make_server()
+    for path in ("/docs", "/redoc", "/openapi.json"):  # /docs would load scripts from a CDN
+        assert_error(httpx.get(open_server.url + path), 404, "Unknown route")
+    config = ServerConfig(
+        served_model_name=MODEL, api_key="k", openapi=True, metrics_require_key=True
+    )
+    served = make_server(config)
+    key = {"Authorization": "Bearer k"}
+    for path in ("/openapi.json", "/metrics"):
+        assert_error(httpx.get(served.url + path), 401, "Missing or incorrect API key")
+        assert httpx.get(served.url + path, headers=key).status_code == 200
+    assert "/v1/completions" in httpx.get(served.url + "/openapi.json", headers=key).json()["paths"]
+    assert httpx.get(served.url + "/docs", headers=key).status_code == 404
+    with pytest.raises(ValueError, match="metrics_require_key needs an api_key"):
+        ServerConfig(metrics_require_key=True)
+
+
+def test_an_unexpected_error_is_a_500_without_the_exception_text(make_server):
+    served = make_server()
+
+    def broken(prompt):
+        raise TypeError("secret internals")
+
+    served.llm.encode = broken  # type: ignore[method-assign]
+    error = assert_error(served.post(C, json={"prompt": "x"}), 500, "Internal server error")
+    assert "secret" not in error["message"] and "TypeError" not in error["message"]
+
+
+def test_prompts_are_tokenized_off_the_event_loop_and_hopeless_ones_not_at_all(make_server):
+    """Three 4 MB prompts once stalled every stream for 3.6 s while the loop tokenized them."""
+    served = make_server()
+    encode, threads = served.llm.encode, []
+
+    def recording(prompt):
+        threads.append(threading.current_thread().name)
+        return encode(prompt)
+
+    served.llm.encode = recording  # type: ignore[method-assign]
+    too_long = served.post(C, json={"prompt": "x" * (served.state.max_prompt_chars + 1)})
+    assert_error(too_long, 400, "The prompt is too long", "prompt")
+    assert threads == []  # refused on its length alone
+    assert_still_serving(served)
+    chat = served.post(CHAT, json={"messages": MSG, "max_tokens": 2})
+    assert chat.status_code == 200
+    assert len(threads) == 2 and "uvicorn" not in threads  # the server's loop runs in "uvicorn"
 
 
 def test_large_bodies_get_413(make_server):
@@ -161,9 +234,9 @@ def test_engine_failure_fails_requests_and_health(make_server):
     with httpx.stream("POST", served.url + C, json=body) as response:
         events = response.read().decode().split("\n\n")
     assert events[-2] == "data: [DONE]"
-    assert (
-        "the engine failed: RuntimeError('boom')" in json.loads(events[-3][6:])["error"]["message"]
-    )
+    message = json.loads(events[-3][6:])["error"]["message"]
+    assert "the engine failed (the server logged why)" in message
+    assert "boom" not in message  # a 5xx never carries an exception's text
     assert_error(httpx.get(served.url + "/health"), 503, "The engine is not running")
     refused = served.post(C, json={"prompt": "x"})
     assert_error(refused, 503, "the engine is not running")
