@@ -18,7 +18,7 @@ from fastapi import FastAPI
 
 from specdec.llm import LLM
 from specdec.serving.bridge import AsyncEngine
-from specdec.serving.errors import install_error_handlers
+from specdec.serving.errors import UnexpectedErrors, install_error_handlers
 from specdec.serving.limits import (
     AdmissionGate,
     ApiKeyMiddleware,
@@ -109,7 +109,8 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     app.state.server = state
     app.include_router(router)
     install_error_handlers(app)
-    # The last added is the outermost: count everything, then check the key, then the size.
+    # The last added is the outermost: count everything, answer unexpected errors, then check
+    # the key, then the size.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     if config.api_key is not None:
         protected = {"/openapi.json"} | ({"/metrics"} if config.metrics_require_key else set())
@@ -118,6 +119,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
             api_key=config.api_key,
             is_protected=lambda path: path.startswith("/v1/") or path in protected,
         )
+    app.add_middleware(UnexpectedErrors)
     routes = frozenset(getattr(r, "path", "") for r in router.routes)
     app.add_middleware(RequestCountMiddleware, metrics=metrics, routes=routes)
     return app

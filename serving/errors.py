@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
 
@@ -146,10 +147,44 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unexpected error on %s %s", request.method, request.url.path)
-        message = "Internal server error: the server logged the details"
-        return APIError(500, message, "server_error").response()
+        return internal_error().response()
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(HTTPException, on_http_error)
-    app.add_exception_handler(Exception, on_unexpected)
+    app.add_exception_handler(Exception, on_unexpected)  # a last resort: see UnexpectedErrors
+
+
+def internal_error() -> APIError:
+    return APIError(500, "Internal server error: the server logged the details", "server_error")
+
+
+class UnexpectedErrors:
+    """Answer an unexpected exception with a 500 in OpenAI's shape, and keep the connection.
+
+    Starlette's own handler for ``Exception`` runs outside every middleware and re-raises after
+    it has answered, so the request counter never saw the 500 and uvicorn closed the connection:
+    a client reusing it lost its next request. An exception after the response has started
+    cannot be answered any more; it is raised, and the server ends the connection.
+    """
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception:
+            if started:
+                raise
+            logger.exception("unexpected error on %s %s", scope["method"], scope["path"])
+            await internal_error().response()(scope, receive, send)

@@ -71,6 +71,7 @@ class RequestRecord:
     """What happened to one request."""
 
     streamed: bool  # whether it streamed
+    status: int | None = None  # the HTTP status; None if no response arrived
     error: str | None = None  # why it failed or is incomplete; None: complete (or disconnected)
     disconnected: bool = False  # the client hung up on purpose
     ttft_s: float | None = None  # streamed only
@@ -171,6 +172,7 @@ async def send(client: httpx.AsyncClient, plan: RequestPlan) -> RequestRecord:
             finish_reason = await _read_stream(client, plan, record, start)
         else:
             response = await client.post(plan.path, json=plan.body)
+            record.status = response.status_code
             if response.status_code != 200:
                 raise ValueError(f"HTTP {response.status_code}: {response.text[:200]}")
             body = response.json()
@@ -197,6 +199,7 @@ async def _read_stream(
     """Read a stream of server-sent events into ``record``; return the finish reason."""
     finish_reason, done, last = None, False, start
     async with client.stream("POST", plan.path, json=plan.body) as response:
+        record.status = response.status_code
         if response.status_code != 200:
             raise ValueError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
         async for data in _sse_data(response):

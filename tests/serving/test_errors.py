@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from specdec.serving import ServerConfig
+from specdec.serving.soak import scrape
 
 from .conftest import MODEL
 
@@ -154,13 +155,21 @@ def test_docs_are_off_and_the_schema_and_metrics_can_be_put_behind_the_key(make_
 
 def test_an_unexpected_error_is_a_500_without_the_exception_text(make_server):
     served = make_server()
+    encode = served.llm.encode
 
     def broken(prompt):
-        raise TypeError("secret internals")
+        if prompt == "x":
+            raise TypeError("secret internals")
+        return encode(prompt)
 
     served.llm.encode = broken  # type: ignore[method-assign]
-    error = assert_error(served.post(C, json={"prompt": "x"}), 500, "Internal server error")
-    assert "secret" not in error["message"] and "TypeError" not in error["message"]
+    with httpx.Client(base_url=served.url, timeout=30) as client:  # one kept-alive connection
+        error = assert_error(client.post(C, json={"prompt": "x"}), 500, "Internal server error")
+        assert "secret" not in error["message"] and "TypeError" not in error["message"]
+        after = client.post(C, json={"prompt": "y", "max_tokens": 2})  # the connection survived
+        assert after.status_code == 200
+    counted = scrape(served.url)["specdec_http_requests_total{route=/v1/completions,status=500}"]
+    assert counted == 1
 
 
 def test_prompts_are_tokenized_off_the_event_loop_and_hopeless_ones_not_at_all(make_server):

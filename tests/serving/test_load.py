@@ -7,21 +7,13 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from click.testing import CliRunner
 
+from specdec.serving import soak
 from specdec.serving.loadgen import LoadConfig, run_load
+from specdec.serving.soak import scrape
 
 from .conftest import MODEL
-
-
-def scrape(url: str) -> dict[str, float]:
-    """The /metrics samples, keyed by name and labels, e.g. 'x_total{reason=abort}'."""
-    samples = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return samples
 
 
 def wait_until_metrics_idle(url: str, timeout_s: float = 10.0) -> dict[str, float]:
@@ -81,7 +73,8 @@ def test_clients_that_time_out_on_a_full_response_have_their_requests_aborted(se
     body = {"model": MODEL, "prompt": "slow", "max_tokens": 500, "ignore_eos": True}
 
     async def impatient() -> None:
-        async with httpx.AsyncClient(base_url=served.url, timeout=0.05) as client:
+        timeout = httpx.Timeout(10.0, read=0.05)  # only the wait for the response runs out
+        async with httpx.AsyncClient(base_url=served.url, timeout=timeout) as client:
             for result in await asyncio.gather(
                 *(client.post("/v1/completions", json=body) for _ in range(4)),
                 return_exceptions=True,
@@ -119,3 +112,39 @@ def test_closing_an_openai_stream_aborts_its_request(served):
     m = wait_until_metrics_idle(served.url)
     assert m["specdec_request_finished_total{finish_reason=abort}"] - before == 1
     served.wait_until_idle()
+
+
+def test_soak_passes_with_disconnects_and_nothing_left_over(make_server):
+    served = make_server(num_kv_blocks=512)
+    load = LoadConfig(served.url, num_requests=300, concurrency=48, max_tokens=24, model=MODEL)
+    report = asyncio.run(soak.soak(soak.soak_config(load, disconnect_share=0.1)))
+    assert report.passed, report.format()
+    assert report.completed + report.disconnected == 300
+    assert 10 < report.disconnected < 60 and report.aborted >= report.disconnected * 0.9
+    assert 0 < report.ttft_p50_ms <= report.ttft_p99_ms
+    served.wait_until_idle()
+
+
+def test_soak_fails_on_lost_requests_and_server_errors(make_server):
+    served = make_server()
+    encode = served.llm.encode
+
+    def flaky(prompt):
+        if isinstance(prompt, str) and prompt.startswith("the"):
+            raise RuntimeError("injected")
+        return encode(prompt)
+
+    served.llm.encode = flaky  # type: ignore[method-assign]
+    load = LoadConfig(served.url, num_requests=40, concurrency=8, max_tokens=4, model=MODEL)
+    report = asyncio.run(soak.soak(load))
+    assert not report.passed and "FAIL" in report.format()
+    assert report.lost > 0 and report.client_5xx == report.server_5xx == report.lost
+
+
+def test_soak_command(served):
+    args = ["--url", served.url, "--requests", "20", "--concurrency", "4", "--model", MODEL]
+    result = CliRunner().invoke(soak.main, args)
+    assert result.exit_code == 0, result.output
+    assert "20 requests:" in result.output and "PASS" in result.output
+    refused = CliRunner().invoke(soak.main, [*args, "--disconnect-fraction", "0.9"])
+    assert refused.exit_code == 2 and "only streamed requests can hang up" in refused.output
