@@ -1,4 +1,6 @@
-"""A smaller causal LM as drafter (Leviathan et al. 2023; Chen et al. 2023).
+"""A smaller causal LM as drafter (Leviathan et al. 2023; Chen et al. 2023), or the target's
+own weights quantized to int4 or int8 (``quantized_self``: a draft that needs no training and
+agrees with the target almost always, read at a quarter of the bytes).
 
 The draft model shares the target's vocabulary and its block tables: it gets KV tensors of its
 own, indexed by the same block ids, so one block table per sequence serves both models. Each step
@@ -34,7 +36,7 @@ import numpy as np
 
 from specdec.drafters.base import SpecConfig
 from specdec.engine import Engine
-from specdec.loader import load_checkpoint
+from specdec.loader import LoadedCheckpoint, load_checkpoint, prequantized_weights
 from specdec.models.llama import LlamaForCausalLM
 from specdec.runner import ModelRunner, QueryChunk
 from specdec.sampling import next_tokens
@@ -43,9 +45,8 @@ from specdec.sequence import Sequence
 
 
 class DraftModelDrafter:
-    name = "draft_model"
-
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler):
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, name: str = "draft_model"):
+        self.name = name  # "draft_model", or "quantized_self" for the target's quantized copy
         self.runner = runner
         self.scheduler = scheduler
         self.fed: dict[int, list[int]] = {}  # seq_id -> tokens whose draft KV is cached, in order
@@ -61,9 +62,37 @@ class DraftModelDrafter:
         model = LlamaForCausalLM.from_hf(
             checkpoint.config, checkpoint.state_dict, engine.max_model_len, batch_invariant=False
         )
+        return DraftModelDrafter.on_shared_blocks(model, engine)
+
+    @staticmethod
+    def quantized_self(
+        spec: SpecConfig, engine: Engine, target: LoadedCheckpoint
+    ) -> DraftModelDrafter:
+        """The target's own weights, quantized (``spec.draft_quantization``), as the draft model.
+
+        A GGUF target's Q4_1/Q8_0 weights are used as the file holds them; a float target's are
+        quantized (see :mod:`specdec.models.quant`). The full-precision target verifies, so the
+        output stays the target's own.
+        """
+        model = LlamaForCausalLM.from_hf(
+            target.config,
+            target.state_dict,
+            engine.max_model_len,
+            batch_invariant=False,
+            quantization=spec.draft_quantization,
+            prequantized=prequantized_weights(target),
+        )
+        return DraftModelDrafter.on_shared_blocks(model, engine, "quantized_self")
+
+    @staticmethod
+    def on_shared_blocks(
+        model: LlamaForCausalLM, engine: Engine, name: str = "draft_model"
+    ) -> DraftModelDrafter:
+        """A drafter running ``model`` on KV tensors of its own, indexed by the engine's blocks."""
+        dtype = engine.runner.k_caches[0].dtype
         block_manager = engine.scheduler.block_manager
         runner = ModelRunner(model, block_manager.num_blocks, block_manager.block_size, dtype)
-        return DraftModelDrafter(runner, engine.scheduler)
+        return DraftModelDrafter(runner, engine.scheduler, name)
 
     def draft_class(self, seq: Sequence) -> int:
         return 1  # the draft model always has a guess, of one kind

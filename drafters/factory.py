@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from specdec.drafters.base import Drafter, SpecConfig
 from specdec.drafters.policy import AdaptivePolicy, StepCostModel
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.engine import Engine
+from specdec.loader import LoadedCheckpoint
 
 
-def enable_speculation(engine: Engine, spec: SpecConfig, target_config: Any) -> None:
-    """Attach a drafter and its policy to a fresh engine (before any request runs)."""
+def enable_speculation(engine: Engine, spec: SpecConfig, target: LoadedCheckpoint) -> None:
+    """Attach a drafter and its policy to a fresh engine (before any request runs); ``target``
+    is the checkpoint the engine's model was built from."""
     drafter: Drafter
     if spec.drafter == "prompt_lookup":
         drafter = PromptLookupDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
     else:
         from specdec.drafters.draft_model import DraftModelDrafter
 
-        drafter = DraftModelDrafter.build(spec, engine, target_config)
+        if spec.drafter == "quantized_self":
+            drafter = DraftModelDrafter.quantized_self(spec, engine, target)
+        else:
+            drafter = DraftModelDrafter.build(spec, engine, target.config)
     cost = draft_cost = None
     if spec.adaptive:
         cost = StepCostModel.measure(engine.runner.dummy_forward)

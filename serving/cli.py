@@ -82,6 +82,7 @@ def _is_loopback(host: str) -> bool:
 def serve(
     model: str | None,
     dtype: str,
+    quantization: str | None,
     batch_invariant: bool | None,
     drafter: str,
     draft_model: str | None,
@@ -119,6 +120,7 @@ def serve(
         llm = LLM(
             model,
             dtype=dtype,
+            quantization=quantization,
             batch_invariant=batch_invariant,
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,

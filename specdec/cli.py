@@ -36,6 +36,7 @@ def generate(
     prompts: tuple[str, ...],
     model: str | None,
     dtype: str,
+    quantization: str | None,
     batch_invariant: bool | None,
     raw: bool,
     stats: bool,
@@ -50,7 +51,13 @@ def generate(
     try:
         params = SamplingParams(**sampling)
         speculative = spec_config(drafter, draft_model, num_speculative_tokens)
-        llm = LLM(model, dtype=dtype, speculative=speculative, batch_invariant=batch_invariant)
+        llm = LLM(
+            model,
+            dtype=dtype,
+            quantization=quantization,
+            speculative=speculative,
+            batch_invariant=batch_invariant,
+        )
         start = time.perf_counter()
         if raw:
             outputs = llm.generate(list(prompts), params)

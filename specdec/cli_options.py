@@ -8,7 +8,14 @@ import click
 
 
 def model_options(fn: Any) -> Any:
-    """``--model``, ``--dtype`` and ``--batch-invariant``."""
+    """``--model``, ``--dtype``, ``--quantization`` and ``--batch-invariant``."""
+    fn = click.option(
+        "--quantization",
+        default=None,
+        type=click.Choice(["int8", "int4"]),
+        help="Weight-only quantized linears (int4: the output layer in int8); a GGUF file's "
+        "Q4_1/Q8_0 weights are used as they are (default: none).",
+    )(fn)
     fn = click.option(
         "--batch-invariant/--no-batch-invariant",
         default=None,
@@ -31,8 +38,9 @@ def speculation_options(fn: Any) -> Any:
         "--drafter",
         default="none",
         show_default=True,
-        type=click.Choice(["none", "prompt_lookup", "draft_model"]),
-        help="Who proposes draft tokens (none: plain decoding).",
+        type=click.Choice(["none", "prompt_lookup", "draft_model", "quantized_self"]),
+        help="Who proposes draft tokens (none: plain decoding; quantized_self: the target's own "
+        "weights in int4).",
     )(fn)
     fn = click.option(
         "--draft-model", default=None, help="HF directory or GGUF file of the draft model."

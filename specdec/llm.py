@@ -10,8 +10,9 @@ from specdec.config import EngineConfig, SamplingParams
 from specdec.drafters.base import SpecConfig
 from specdec.drafters.factory import enable_speculation
 from specdec.engine import Engine
-from specdec.loader import load_checkpoint, resolve_dtype
+from specdec.loader import load_checkpoint, prequantized_weights, resolve_dtype
 from specdec.models.llama import LlamaForCausalLM
+from specdec.models.quant import check_quantization
 from specdec.outputs import RequestOutput
 
 Prompt = str | list[int]
@@ -22,7 +23,10 @@ class LLM:
     """A target model on the specdec engine.
 
     ``model`` is ``None`` (the embedded SmolLM2-135M-Instruct), a local Hugging Face directory, a
-    GGUF file, or an in-memory ``transformers`` model; engine options are the fields of
+    GGUF file, or an in-memory ``transformers`` model. ``dtype`` is the activations' dtype and
+    that of every unquantized weight; ``quantization`` (``"int8"``, ``"int4"`` or ``None``) runs
+    the linears on weight-only quantized weights (see :mod:`specdec.models.quant`; a GGUF file's
+    Q4_1 and Q8_0 tensors are used as they are). Engine options are the fields of
     :class:`~specdec.config.EngineConfig` (``max_num_seqs``, ``num_kv_blocks``, ...).
 
     >>> llm = LLM()
@@ -35,21 +39,28 @@ class LLM:
         tokenizer: Any = None,
         dtype: str | Any = "float32",
         speculative: SpecConfig | dict | None = None,
+        quantization: str | None = None,
         **engine_options: Any,
     ):
         config = EngineConfig(**engine_options)
         self.dtype = resolve_dtype(dtype)
+        self.quantization = check_quantization(quantization)
         checkpoint = load_checkpoint(model, tokenizer, self.dtype)
         self.model_name = checkpoint.name
         self.tokenizer = checkpoint.tokenizer
         max_model_len = config.max_model_len or checkpoint.config.max_position_embeddings
         model_impl = LlamaForCausalLM.from_hf(
-            checkpoint.config, checkpoint.state_dict, max_model_len, config.batch_invariant
+            checkpoint.config,
+            checkpoint.state_dict,
+            max_model_len,
+            config.batch_invariant,
+            quantization,
+            prequantized_weights(checkpoint) if quantization else None,
         )
         self.engine = Engine(model_impl, self.tokenizer, config, self.dtype, max_model_len)
         self.spec_config = SpecConfig.coerce(speculative)
         if self.spec_config is not None:
-            enable_speculation(self.engine, self.spec_config, checkpoint.config)
+            enable_speculation(self.engine, self.spec_config, checkpoint)
 
     def generate(
         self,

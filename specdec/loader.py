@@ -32,6 +32,9 @@ import safetensors.torch
 import torch
 import transformers
 
+from specdec.gguf import read_quantized
+from specdec.kernels.cpu_quant import QuantWeight
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -77,6 +80,7 @@ class LoadedCheckpoint:
     ]  # HF parameter names -> contiguous tensors in the load dtype
     tokenizer: transformers.PreTrainedTokenizerBase
     name: str  # display name: the path, or DEFAULT_MODEL_NAME
+    gguf_path: pathlib.Path | None = None  # the GGUF file the weights come from, if any
 
 
 ModelRef = str | os.PathLike[str] | transformers.PreTrainedModel | None
@@ -95,13 +99,26 @@ def load_checkpoint(
     """
     dtype = resolve_dtype(dtype)
     if model is None:
-        return _load_directory(default_model_dir(), tokenizer, dtype, DEFAULT_MODEL_NAME)
+        checkpoint = _load_directory(default_model_dir(), tokenizer, dtype, DEFAULT_MODEL_NAME)
+        checkpoint.gguf_path = _default_gguf_path()
+        return checkpoint
     if isinstance(model, transformers.PreTrainedModel):
         return _load_model_object(model, tokenizer, dtype)
     path = _local_path(model)
     if path.is_file():
         return _load_gguf_file(path, tokenizer, dtype)
     return _load_directory(path, tokenizer, dtype, str(model))
+
+
+def prequantized_weights(checkpoint: LoadedCheckpoint) -> dict[str, QuantWeight]:
+    """The linear weights ``checkpoint``'s GGUF file holds as Q4_1 or Q8_0, kept quantized
+    (see :mod:`specdec.gguf`); none for a checkpoint that is not a GGUF file."""
+    if checkpoint.gguf_path is None:
+        return {}
+    config = checkpoint.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return read_quantized(checkpoint.gguf_path, heads, kv_heads)
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -202,6 +219,7 @@ def _load_gguf_file(
         state_dict=_parameters(tensors, config, dtype),
         tokenizer=gguf_tokenizer if tokenizer is None else _load_tokenizer(tokenizer),
         name=str(path),
+        gguf_path=path,
     )
 
 

@@ -20,6 +20,7 @@ from specdec.attention import AttentionMetadata, paged_attention
 from specdec.kernels import cpu_ops
 from specdec.models.hugepages import move_to_huge_pages
 from specdec.models.linear import can_prepack, prepack_linears, use_row_kernels
+from specdec.models.quant import QuantLinear, QuantWeight, quantize_linears
 
 FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}  # config.model_type
 
@@ -230,6 +231,8 @@ class LlamaForCausalLM(nn.Module):
         state_dict: dict[str, torch.Tensor],  # noqa: ANN001
         max_positions: int,
         batch_invariant: bool | None = None,
+        quantization: str | None = None,
+        prequantized: dict[str, QuantWeight] | None = None,
     ) -> LlamaForCausalLM:
         """Build the model around weights named as in transformers, without a random init.
 
@@ -238,6 +241,10 @@ class LlamaForCausalLM(nn.Module):
         decoding. ``None`` turns it on where it can be had, bfloat16 weights with oneDNN; float32
         keeps MKL's faster kernels, whose rounding differs between row counts by far less than
         float32's gaps between logits (``True`` with float32 is an error).
+
+        ``quantization`` (``"int8"``, ``"int4"`` or ``None``): weight-only quantized linears (see
+        :mod:`specdec.models.quant`), ``prequantized`` the weights that arrived quantized (a GGUF
+        file's), by module name. Quantized linears are row-invariant in every dtype.
         """
         with torch.device("meta"):
             model = cls(hf_config, max_positions)
@@ -246,6 +253,8 @@ class LlamaForCausalLM(nn.Module):
         if model.config.tie_word_embeddings:  # to_empty gives each module a tensor of its own
             model.lm_head.weight = model.embed_tokens.weight
         model.load_hf_state_dict(state_dict)
+        if quantization is not None:
+            quantize_linears(model, quantization, prequantized)
         supported = can_prepack(model.embed_tokens.weight.dtype)
         if batch_invariant and not supported:
             raise ValueError(
@@ -263,6 +272,9 @@ class LlamaForCausalLM(nn.Module):
     def weight_bytes_per_step(self) -> int:
         """Bytes of weights a decode step reads: every matrix once, one row of the embedding."""
         cfg, elem = self.config, self.embed_tokens.weight.element_size()
+        quantized = [m.weight_nbytes for m in self.modules() if isinstance(m, QuantLinear)]
+        if quantized:
+            return sum(quantized) + elem * ((2 * cfg.num_layers + 2) * cfg.hidden_size)
         attn = cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         attn += cfg.num_heads * cfg.head_dim * cfg.hidden_size
         mlp = 3 * cfg.hidden_size * cfg.intermediate_size

@@ -44,7 +44,7 @@ def captured_run(monkeypatch) -> dict:
 
 def test_serve_binds_loopback_and_takes_the_api_key_from_the_environment(captured_run):
     args = ["--served-model-name", MODEL, "--max-num-seqs", "8", "--dtype", "bfloat16"]
-    args += ["--no-batch-invariant"]
+    args += ["--no-batch-invariant", "--quantization", "int4"]
     result = CliRunner().invoke(cli.serve, args, env={"SPECDEC_API_KEY": "k3y"})
     assert result.exit_code == 0, result.output
     assert (captured_run["host"], captured_run["port"]) == ("127.0.0.1", 8000)
@@ -52,6 +52,7 @@ def test_serve_binds_loopback_and_takes_the_api_key_from_the_environment(capture
         None,
         {
             "dtype": "bfloat16",
+            "quantization": "int4",
             "batch_invariant": False,
             "max_num_seqs": 8,
             "max_model_len": None,

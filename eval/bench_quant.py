@@ -1,0 +1,231 @@
+"""Quantization benchmark: weight-only int8/int4 and the ``quantized_self`` drafter, side by side.
+
+    python -m specdec.eval.bench_quant [--prompts-per-style N] [--max-tokens N] [--quick]
+
+On the default model, single stream, greedy, prompt processing included, every system in this one
+process taking turns prompt by prompt (so drift in the machine's speed hits all alike):
+
+* ``float32``, ``bfloat16``: the engine unquantized;
+* ``int8``, ``int4`` (float32 activations) and ``bfloat16+int4``: weight-only quantized linears
+  (see :mod:`specdec.models.quant`; ``int4`` runs the GGUF file's own Q4_1 codes);
+* ``bfloat16+quantized_self``: a bfloat16 target verifying drafts of its own int4 copy;
+* ``llama.cpp``: ``llama-cpp-python`` on the same GGUF file, plain decoding, when installed (the
+  ``llamacpp`` extra), fed the same token ids.
+
+It reports tokens/s and each system's ratio to float32 and to llama.cpp, whether each engine's
+output equals its own plain decoding (``quantized_self`` against ``bfloat16``), the
+``quantized_self`` acceptance per draft position and mean accepted length, and the quality of
+each quantization against float32: top-1 agreement of greedy next tokens and the mean
+log-likelihood difference, teacher-forced over float32's own continuations. Results go to
+``eval/results/quant.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdec import LLM, SamplingParams
+from specdec.eval.prompts import STYLES, conversation, load_prompts
+from specdec.kernels import cpu_ops
+from specdec.verifier import SpecStats
+
+RESULTS = Path("eval/results")
+ENGINES: dict[str, dict[str, Any]] = {
+    "float32": {"dtype": "float32"},
+    "bfloat16": {"dtype": "bfloat16"},
+    "int8": {"dtype": "float32", "quantization": "int8"},
+    "int4": {"dtype": "float32", "quantization": "int4"},
+    "bfloat16+int4": {"dtype": "bfloat16", "quantization": "int4"},
+    "bfloat16+quantized_self": {"dtype": "bfloat16", "speculative": {"drafter": "quantized_self"}},
+}
+PLAIN_OF = {"bfloat16+quantized_self": "bfloat16"}  # whose plain decoding each must equal
+
+
+class LlamaCpp:
+    """llama.cpp on the default model's GGUF file, greedy, fed token ids."""
+
+    def __init__(self) -> None:
+        from llama_cpp import Llama  # type: ignore[import-not-found]
+
+        from specdec.loader import _default_gguf_path
+
+        threads = torch.get_num_threads()
+        self.model = Llama(
+            str(_default_gguf_path()), n_ctx=4096, n_threads=threads, verbose=False, seed=0
+        )
+
+    def generate(self, prompt: list[int], max_tokens: int) -> list[int]:
+        self.model.reset()
+        tokens: list[int] = []
+        for token in self.model.generate(prompt, temp=0.0, top_k=1, reset=True):
+            tokens.append(int(token))
+            if len(tokens) == max_tokens:
+                break
+        return tokens
+
+
+def build_systems() -> tuple[dict[str, Any], list[str]]:
+    systems: dict[str, Any] = {
+        name: LLM(kv_cache_memory_gb=0.5, **options) for name, options in ENGINES.items()
+    }
+    notes = []
+    try:
+        systems["llama.cpp"] = LlamaCpp()
+    except ImportError:
+        notes.append(
+            "llama.cpp skipped: llama-cpp-python is not installed (pip install .[llamacpp])"
+        )
+    return systems, notes
+
+
+def generate(system: Any, prompt: list[int], max_tokens: int) -> list[int]:
+    if isinstance(system, LlamaCpp):
+        return system.generate(prompt, max_tokens)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return system.generate([prompt], params)[0].token_ids
+
+
+def speed(systems: dict[str, Any], prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    """Seconds and tokens per system, taking turns prompt by prompt; the outputs."""
+    seconds = dict.fromkeys(systems, 0.0)
+    outputs: dict[str, list[list[int]]] = {name: [] for name in systems}
+    for i, prompt in enumerate(prompts):
+        order = list(systems) if i % 2 == 0 else list(reversed(systems))
+        for name in order:
+            start = time.perf_counter()
+            outputs[name].append(generate(systems[name], prompt, max_tokens))
+            seconds[name] += time.perf_counter() - start
+    tokens = {name: sum(map(len, out)) for name, out in outputs.items()}
+    return {"seconds": seconds, "tokens": tokens, "outputs": outputs}
+
+
+def quality(prompts: list[list[int]], continuations: list[list[int]]) -> dict[str, Any]:
+    """Top-1 agreement and mean log-likelihood difference against float32, teacher-forced.
+
+    Each quantization is applied to a float32 ``transformers`` copy of the default model (its
+    linears' weights replaced by their quantized values, exactly as the engine holds them), which
+    is run over each prompt and float32's greedy continuation.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from specdec.loader import default_model_dir
+    from specdec.models.quant import dequantized_linears
+
+    reference = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32)
+    models = {"float32": reference.eval()}
+    for quantization in ("int8", "int4"):
+        copy = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32)
+        models[quantization] = dequantized_linears(copy.eval(), quantization)
+    logprobs: dict[str, list[torch.Tensor]] = {name: [] for name in models}
+    for prompt, continuation in zip(prompts, continuations):
+        ids = torch.tensor([prompt + continuation])
+        for name, model in models.items():
+            logits = model(ids).logits[0, len(prompt) - 1 : -1].float()  # [C, V]
+            logprobs[name].append(torch.log_softmax(logits, dim=-1))
+    report: dict[str, Any] = {}
+    for name in ("int8", "int4"):
+        agree = total = 0
+        loglik_diff = 0.0
+        for ref, got, cont in zip(logprobs["float32"], logprobs[name], continuations):
+            targets = torch.tensor(cont)
+            agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
+            total += len(cont)
+            rows = torch.arange(len(cont))
+            loglik_diff += float((got[rows, targets] - ref[rows, targets]).sum())
+        report[name] = {"top1_agreement": agree / total, "mean_loglik_diff": loglik_diff / total}
+    return report
+
+
+def markdown(result: dict[str, Any]) -> str:
+    s = result["speed"]
+    tps = {n: s["tokens"][n] / s["seconds"][n] for n in s["seconds"]}
+    peer = tps.get("llama.cpp")
+    lines = [
+        f"{result['num_prompts']} prompts, {result['max_tokens']} new tokens each, greedy, "
+        f"single stream, prompt processing included ({result['threads']} threads)",
+        "",
+        "| system | tokens/s | vs float32 | vs llama.cpp | output equals its plain decoding |",
+        "|---|---|---|---|---|",
+    ]
+    for name, rate in tps.items():
+        vs_peer = f"{rate / peer:.2f}x" if peer else "—"
+        exact = result["exact"].get(name, "—")
+        lines.append(
+            f"| {name} | {rate:.1f} | {rate / tps['float32']:.2f}x | {vs_peer} | {exact} |"
+        )
+    spec = result["quantized_self"]
+    lines += [
+        "",
+        f"quantized_self: mean accepted length {spec['mean_accepted_length']:.2f} tokens per "
+        f"verification (bonus included), acceptance rate {spec['acceptance_rate']:.3f}, per "
+        "position " + ", ".join(f"{a:.2f}" for a in spec["acceptance_per_position"]),
+        "",
+        "| quantization | top-1 agreement with float32 | mean log-likelihood difference |",
+        "|---|---|---|",
+    ]
+    for name, q in result["quality"].items():
+        lines.append(f"| {name} | {q['top1_agreement']:.4f} | {q['mean_loglik_diff']:+.5f} |")
+    return "\n".join(lines + [""] + result["notes"]) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts-per-style", type=int, default=3, metavar="N")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--quick", action="store_true", help="1 prompt per style, 32 tokens")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    per_style, max_tokens = (1, 32) if args.quick else (args.prompts_per_style, args.max_tokens)
+    cpu_ops.extension()  # built (or loaded) here, untimed
+    systems, notes = build_systems()
+    llm = systems["float32"]
+    records = [r for style in STYLES for r in load_prompts(style)[:per_style]]
+    prompts = [llm.apply_chat_template(conversation(r)) for r in records]
+    with torch.inference_mode():
+        speed(systems, prompts[:1], 8)  # warm every system up
+        for llm_system in systems.values():
+            if isinstance(llm_system, LLM):
+                llm_system.engine.verifier.stats = SpecStats()  # count the timed run only
+        print(f"timing {len(systems)} systems on {len(prompts)} prompts ...", flush=True)
+        timed = speed(systems, prompts, max_tokens)
+        print("quality ...", flush=True)
+        quality_report = quality(prompts, timed["outputs"]["float32"])
+    outputs = timed.pop("outputs")
+    exact = {
+        name: "yes" if outputs[name] == outputs[PLAIN_OF.get(name, name)] else "NO"
+        for name in ENGINES
+        if name in PLAIN_OF
+    }
+    stats = systems["bfloat16+quantized_self"].engine.verifier.stats
+    result = {
+        "num_prompts": len(prompts),
+        "max_tokens": max_tokens,
+        "threads": torch.get_num_threads(),
+        "speed": timed,
+        "exact": exact,
+        "quantized_self": {
+            "acceptance_rate": stats.acceptance_rate,
+            "mean_accepted_length": stats.mean_accepted_length,
+            "acceptance_per_position": stats.acceptance_per_position,
+        },
+        "quality": quality_report,
+        "notes": notes,
+        "int4_equals_float32": outputs["int4"] == outputs["float32"],
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "quant.json").write_text(json.dumps(result, indent=2))
+    table = markdown(result)
+    (args.out / "quant.md").write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

@@ -1,0 +1,123 @@
+"""The int4/int8 weight-only linear kernel against its torch reference, and its row invariance."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from specdec.kernels import cpu_ops
+from specdec.kernels.cpu_quant import (
+    QuantWeight,
+    pack,
+    quant_linear,
+    quant_linear_reference,
+    unpack,
+)
+from specdec.models.quant import quantize
+
+needs_kernels = pytest.mark.skipif(not cpu_ops.enabled(), reason="no fused CPU kernels")
+ROW_COUNTS = [1, 2, 3, 4, 5, 7, 8, 9, 17, 127, 128, 129, 200]
+SHAPES = [(576, 960), (1536, 576), (64, 40), (96, 7)]  # (in, out); 40 and 7: a padded block
+
+
+def random_weight(shape: tuple[int, int], bits: int, seed: int = 0) -> QuantWeight:
+    torch.manual_seed(seed)
+    width, out = shape
+    return quantize(torch.randn(out, width) * 0.05, bits)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pack_and_unpack_are_inverse(bits: int) -> None:
+    weight = random_weight((96, 40), bits)
+    back = unpack(pack(weight))
+    assert torch.equal(back.codes, weight.codes) and torch.equal(back.scales, weight.scales)
+    assert (back.mins is None) == (weight.mins is None)
+    if weight.mins is not None:
+        assert torch.equal(back.mins, weight.mins)
+
+
+@pytest.mark.parametrize("bits, worst", [(4, 0.5 / 15), (8, 0.5 / 127)])
+def test_quantization_error_is_half_a_step(bits: int, worst: float) -> None:
+    """Each weight is within half a quantization step (plus float16 scale rounding) of itself."""
+    torch.manual_seed(1)
+    w = torch.randn(48, 128)
+    groups = w.reshape(48, 4, 32)
+    span = groups.amax(-1) - groups.amin(-1) if bits == 4 else groups.abs().amax(-1)
+    error = (quantize(w, bits).dequantize() - w).abs().reshape(48, 4, 32).amax(-1)
+    assert (error <= span * worst * 1.01 + 1e-3 * span).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_kernel_matches_the_dequantizing_reference(bits, dtype, shape) -> None:
+    """Within float32 rounding of a sum of `in` products (float32), or one bf16 ulp (bf16)."""
+    weight = random_weight(shape, bits)
+    bias = torch.randn(shape[1]).to(dtype)
+    x = torch.randn(9, shape[0]).to(dtype)
+    got = quant_linear(cpu_ops.extension(), x, pack(weight), bias)
+    expected = quant_linear_reference(x, weight, bias)
+    assert got.dtype == dtype and got.shape == expected.shape
+    tolerance = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)
+    torch.testing.assert_close(got.float(), expected.float(), **tolerance)
+
+
+def _check_rows(kernels, bits: int, dtype: torch.dtype) -> None:  # noqa: ANN001
+    for shape in SHAPES:
+        packed = pack(random_weight(shape, bits))
+        x = torch.randn(max(ROW_COUNTS), shape[0]).to(dtype)
+        alone = torch.cat([quant_linear(kernels, x[i : i + 1], packed) for i in range(len(x))])
+        for rows in ROW_COUNTS:
+            together = quant_linear(kernels, x[:rows], packed)
+            assert torch.equal(together, alone[:rows]), (shape, rows)
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_do_not_depend_on_the_row_count(bits: int, dtype: torch.dtype) -> None:
+    """A row gets the same bits alone, in a tile of 2-4, and across the 128-row chunks."""
+    _check_rows(cpu_ops.extension(), bits, dtype)
+
+
+@pytest.mark.skipif(os.environ.get("SPECDEC_SLOW_TESTS") != "1", reason="SPECDEC_SLOW_TESTS=1")
+@needs_kernels
+def test_portable_build_gives_the_same_bits() -> None:
+    """The scalar code of a CPU without AVX-512, compiled here, gives this machine's bits."""
+    portable = cpu_ops._build(("-mno-avx512f",), "specdec_cpu_ops_portable")
+    for bits in (4, 8):
+        _check_rows(portable, bits, torch.float32)
+        packed = pack(random_weight((576, 40), bits))
+        x = torch.randn(5, 576)
+        assert torch.equal(
+            quant_linear(portable, x, packed), quant_linear(cpu_ops.extension(), x, packed)
+        )
+
+
+@needs_kernels
+def test_kernel_rejects_mismatched_arguments() -> None:
+    kernels, packed = cpu_ops.extension(), pack(random_weight((64, 40), 4))
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernels.quant_linear(
+            torch.randn(2, 48), packed.codes, packed.scales, packed.mins, None, 4, 40
+        )
+    with pytest.raises(RuntimeError, match="codes must be the packed"):
+        kernels.quant_linear(
+            torch.randn(2, 96), packed.codes, packed.scales, packed.mins, None, 4, 40
+        )
+    with pytest.raises(RuntimeError, match="int4 weights need mins"):
+        kernels.quant_linear(torch.randn(2, 64), packed.codes, packed.scales, None, None, 4, 40)
+    with pytest.raises(RuntimeError, match="bias must have"):
+        quant_linear(kernels, torch.randn(2, 64), packed, torch.randn(41))
+
+
+def test_quant_weights_refuse_bad_shapes() -> None:
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize(torch.randn(8, 40), 4)
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        quantize(torch.randn(8, 64), 3)
+    with pytest.raises(ValueError, match="need mins"):
+        QuantWeight(torch.zeros(8, 64, dtype=torch.uint8), torch.zeros(8, 2).half())
