@@ -2,6 +2,14 @@
 own weights quantized to int4 or int8 (``quantized_self``: a draft that needs no training and
 agrees with the target almost always, read at a quarter of the bytes).
 
+``quantized_self`` has the target's shape, so it reads the target's own KV cache instead of
+keeping one (QSpec, Zhao et al. 2024, drafts with a model's own low-precision run and reuses
+its KV cache likewise): it never prefills a prompt, holds no KV memory and sees its context at the
+target's precision. It writes K/V only at positions the target has not computed (the last token
+and the drafts it feeds), and the target writes every position before any of its queries reads
+it (that is how rejected drafts are rolled back), so those writes never reach the target's
+output. It drafts only for a sequence whose tokens are all in the cache but the last.
+
 The draft model shares the target's vocabulary and its block tables: it gets KV tensors of its
 own, indexed by the same block ids, so one block table per sequence serves both models. Each step
 it first catches up on the tokens the target accepted since it last ran (one batched forward over
@@ -35,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from specdec.drafters.base import SpecConfig
+from specdec.drafters.policy import PRIOR_ACCEPTANCE
 from specdec.engine import Engine
 from specdec.loader import LoadedCheckpoint, load_checkpoint, prequantized_weights
 from specdec.models.llama import LlamaForCausalLM
@@ -45,8 +54,19 @@ from specdec.sequence import Sequence
 
 
 class DraftModelDrafter:
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, name: str = "draft_model"):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        name: str = "draft_model",
+        shares_target_kv: bool = False,
+    ):
         self.name = name  # "draft_model", or "quantized_self" for the target's quantized copy
+        self.shares_target_kv = shares_target_kv  # reads the target's KV cache (quantized_self)
+        # The policy's acceptance before it has measured any: a copy of the target agrees almost
+        # always (int4 copies of the default model: over 90% per draft position); another model
+        # is not assumed to.
+        self.prior_acceptance = 0.9 if shares_target_kv else PRIOR_ACCEPTANCE
         self.runner = runner
         self.scheduler = scheduler
         self.fed: dict[int, list[int]] = {}  # seq_id -> tokens whose draft KV is cached, in order
@@ -82,7 +102,10 @@ class DraftModelDrafter:
             quantization=spec.draft_quantization,
             prequantized=prequantized_weights(target),
         )
-        return DraftModelDrafter.on_shared_blocks(model, engine, "quantized_self")
+        target_caches = (engine.runner.k_caches, engine.runner.v_caches)
+        dtype, blocks = engine.runner.k_caches[0].dtype, engine.scheduler.block_manager
+        runner = ModelRunner(model, blocks.num_blocks, blocks.block_size, dtype, target_caches)
+        return DraftModelDrafter(runner, engine.scheduler, "quantized_self", shares_target_kv=True)
 
     @staticmethod
     def on_shared_blocks(
@@ -102,12 +125,16 @@ class DraftModelDrafter:
         one; a rejected draft it fed makes the real count a little larger). A sequence it never
         drafted for counts 1: its prompt is a one-time cost, as the target's prefill is, and
         pricing it in one step would keep a good draft model off long prompts for good."""
+        if self.shares_target_kv:
+            return 1  # the target's cache holds every earlier token
         return 1 if seq.seq_id not in self.fed else seq.num_tokens - self._valid_prefix(seq)
 
     def propose(self, seqs: list[Sequence], num_drafts: list[int]) -> None:
         active, ks = [], []
         for seq, k in zip(seqs, num_drafts):
             seq.spec_token_ids = []
+            if self.shares_target_kv and seq.num_computed_tokens != seq.num_tokens - 1:
+                k = 0  # the target's cache does not hold its context yet (a prompt in chunks)
             if k:
                 covered = self.scheduler.reserve_lookahead(seq, seq.num_tokens + k - 1)
                 k = min(k, covered - seq.num_tokens + 1)
@@ -132,13 +159,16 @@ class DraftModelDrafter:
                 seq.spec_token_ids.append(token)
                 if j + 1 < ks[i]:
                     position = seq.num_tokens + j
-                    self.fed[seq.seq_id].append(token)
+                    if not self.shares_target_kv:
+                        self.fed[seq.seq_id].append(token)
                     chunks[i] = QueryChunk([token], position, seq.block_table, 1)
                     next_live.append(i)
             live = next_live
 
     def _catch_up(self, seq: Sequence) -> QueryChunk:
         """The tokens the draft cache lacks: from the first stale position to the last token."""
+        if self.shares_target_kv:  # only the last token: the target's cache holds the rest
+            return QueryChunk(seq.token_ids[-1:], seq.num_tokens - 1, seq.block_table, 1)
         valid = self._valid_prefix(seq)
         self.fed[seq.seq_id] = seq.token_ids[:]
         return QueryChunk(seq.token_ids[valid:], valid, seq.block_table, 1)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from specdec.drafters.base import Drafter, SpecConfig
-from specdec.drafters.policy import AdaptivePolicy, StepCostModel
+from specdec.drafters.policy import PRIOR_ACCEPTANCE, AdaptivePolicy, StepCostModel
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.engine import Engine
 from specdec.loader import LoadedCheckpoint
@@ -29,4 +29,5 @@ def enable_speculation(engine: Engine, spec: SpecConfig, target: LoadedCheckpoin
         if draft_runner is not None:  # a drafter with a model of its own: time it too
             draft_cost = StepCostModel.measure(draft_runner.dummy_forward, sizes=(1, 8, 32))
     engine.drafter = drafter
-    engine.policy = AdaptivePolicy(spec.num_speculative_tokens, cost, draft_cost)
+    prior = getattr(drafter, "prior_acceptance", PRIOR_ACCEPTANCE)
+    engine.policy = AdaptivePolicy(spec.num_speculative_tokens, cost, draft_cost, prior)

@@ -44,7 +44,7 @@ from collections.abc import Callable
 
 from specdec.sequence import Sequence
 
-PRIOR_ACCEPTANCE = 0.5  # acceptance assumed for a sequence not yet measured
+PRIOR_ACCEPTANCE = 0.5  # acceptance assumed for a sequence not yet measured (by default)
 EMA_WEIGHT = 0.3  # weight of the latest step in a sequence's moving average
 CLASS_EMA_WEIGHT = 0.05  # weight of one sequence's step in its class's average
 MIN_CHANCE = 0.05  # a draft less likely than this to be accepted is not verified
@@ -147,8 +147,10 @@ class AdaptivePolicy:
         max_drafts: int,
         cost: StepCostModel | None,
         draft_cost: StepCostModel | None = None,
+        prior_acceptance: float = PRIOR_ACCEPTANCE,
     ):
         self.max_drafts = max_drafts
+        self.prior_acceptance = prior_acceptance  # the drafter's acceptance before any is measured
         self.cost = cost  # None: fixed k (every eligible sequence gets max_drafts)
         self.draft_cost = draft_cost  # time of one drafter forward over N sequences, if any
         self.acceptance: dict[int, dict[int, float]] = {}  # seq_id -> class -> moving average
@@ -178,7 +180,7 @@ class AdaptivePolicy:
         else:
             tested = {seq.seq_id: self._fold(seq) for seq in seqs}
             for c in self.class_acceptance.keys() - set(tested.values()):
-                drift = CLASS_RECOVERY * (PRIOR_ACCEPTANCE - self.class_acceptance[c])
+                drift = CLASS_RECOVERY * (self.prior_acceptance - self.class_acceptance[c])
                 self.class_acceptance[c] += drift
             rates = [self._rate(s, c, tested[s.seq_id] == c) for s, c in zip(seqs, classes)]
             pending = sum(backlog(s) for s, k in zip(seqs, limits) if k) if backlog else 0
@@ -243,7 +245,7 @@ class AdaptivePolicy:
         tested = self.last_class.get(seq.seq_id, 1)
         passed = accepted - last_accepted
         rate = passed / (passed + (1 if passed < drafted - last_drafted else 0))
-        shared = self.class_acceptance.get(tested, PRIOR_ACCEPTANCE)
+        shared = self.class_acceptance.get(tested, self.prior_acceptance)
         own = self.acceptance.setdefault(seq.seq_id, {})
         own[tested] = (1 - EMA_WEIGHT) * own.get(tested, shared) + EMA_WEIGHT * rate
         self.class_acceptance[tested] = (1 - CLASS_EMA_WEIGHT) * shared + CLASS_EMA_WEIGHT * rate
@@ -252,7 +254,7 @@ class AdaptivePolicy:
     def _rate(self, seq: Sequence, draft_class: int, just_tested: bool) -> float:
         """The sequence's acceptance average for ``draft_class`` (its class's, if it has none);
         one not tested this step drifts back toward the class average, to be probed again."""
-        shared = self.class_acceptance.get(draft_class, PRIOR_ACCEPTANCE)
+        shared = self.class_acceptance.get(draft_class, self.prior_acceptance)
         own = self.acceptance.get(seq.seq_id, {})
         if draft_class not in own:
             return shared

@@ -44,8 +44,20 @@ ENGINES: dict[str, dict[str, Any]] = {
     "int4": {"dtype": "float32", "quantization": "int4"},
     "bfloat16+int4": {"dtype": "bfloat16", "quantization": "int4"},
     "bfloat16+quantized_self": {"dtype": "bfloat16", "speculative": {"drafter": "quantized_self"}},
+    "bfloat16+quantized_self k=4": {
+        "dtype": "bfloat16",
+        "speculative": {
+            "drafter": "quantized_self",
+            "num_speculative_tokens": 4,
+            "adaptive": False,
+        },
+    },
 }
-PLAIN_OF = {"bfloat16+quantized_self": "bfloat16"}  # whose plain decoding each must equal
+PLAIN_OF = {  # whose plain decoding each must equal
+    "bfloat16+quantized_self": "bfloat16",
+    "bfloat16+quantized_self k=4": "bfloat16",
+}
+SPECULATIVE = [name for name, options in ENGINES.items() if "speculative" in options]
 
 
 class LlamaCpp:
@@ -131,6 +143,7 @@ def quality(prompts: list[list[int]], continuations: list[list[int]]) -> dict[st
             logprobs[name].append(torch.log_softmax(logits, dim=-1))
     report: dict[str, Any] = {}
     for name in ("int8", "int4"):
+        report[name] = {"weight_rel_change": weight_change(reference, models[name])}
         agree = total = 0
         loglik_diff = 0.0
         for ref, got, cont in zip(logprobs["float32"], logprobs[name], continuations):
@@ -139,8 +152,30 @@ def quality(prompts: list[list[int]], continuations: list[list[int]]) -> dict[st
             total += len(cont)
             rows = torch.arange(len(cont))
             loglik_diff += float((got[rows, targets] - ref[rows, targets]).sum())
-        report[name] = {"top1_agreement": agree / total, "mean_loglik_diff": loglik_diff / total}
+        report[name] |= {"top1_agreement": agree / total, "mean_loglik_diff": loglik_diff / total}
     return report
+
+
+def weight_change(reference: torch.nn.Module, quantized: torch.nn.Module) -> float:
+    """How far quantization moved the linears' weights: ``||W_q - W|| / ||W||`` over all of them."""
+    moved = total = 0.0
+    originals = dict(reference.named_modules())
+    for name, module in quantized.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            w = originals[name].weight.float()  # type: ignore[union-attr]
+            moved += float((module.weight.float() - w).pow(2).sum())
+            total += float(w.pow(2).sum())
+    return (moved / total) ** 0.5
+
+
+def spec_summary(llm: LLM) -> dict[str, Any]:
+    stats = llm.engine.verifier.stats
+    return {
+        "verify_steps": stats.num_verify_steps,
+        "acceptance_rate": stats.acceptance_rate,
+        "mean_accepted_length": stats.mean_accepted_length,
+        "acceptance_per_position": stats.acceptance_per_position,
+    }
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -160,18 +195,27 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(
             f"| {name} | {rate:.1f} | {rate / tps['float32']:.2f}x | {vs_peer} | {exact} |"
         )
-    spec = result["quantized_self"]
+    lines.append("")
+    for name, spec in result["speculation"].items():
+        lines.append(
+            f"{name}: {spec['verify_steps']} verifications, mean accepted length "
+            f"{spec['mean_accepted_length']:.2f} tokens (bonus included), acceptance rate "
+            f"{spec['acceptance_rate']:.3f}, per position "
+            + ", ".join(f"{a:.2f}" for a in spec["acceptance_per_position"])
+        )
     lines += [
         "",
-        f"quantized_self: mean accepted length {spec['mean_accepted_length']:.2f} tokens per "
-        f"verification (bonus included), acceptance rate {spec['acceptance_rate']:.3f}, per "
-        "position " + ", ".join(f"{a:.2f}" for a in spec["acceptance_per_position"]),
-        "",
-        "| quantization | top-1 agreement with float32 | mean log-likelihood difference |",
-        "|---|---|---|",
+        "| quantization | top-1 agreement with float32 | mean log-likelihood difference "
+        "| weights moved (relative RMS) |",
+        "|---|---|---|---|",
     ]
     for name, q in result["quality"].items():
-        lines.append(f"| {name} | {q['top1_agreement']:.4f} | {q['mean_loglik_diff']:+.5f} |")
+        lines.append(
+            f"| {name} | {q['top1_agreement']:.4f} | {q['mean_loglik_diff']:+.5f} "
+            f"| {q['weight_rel_change']:.4f} |"
+        )
+    same = "the same" if result["int4_equals_float32"] else "NOT the same"
+    lines += ["", f"int4's greedy outputs are {same} as float32's on these prompts."]
     return "\n".join(lines + [""] + result["notes"]) + "\n"
 
 
@@ -200,21 +244,15 @@ def main() -> None:
     outputs = timed.pop("outputs")
     exact = {
         name: "yes" if outputs[name] == outputs[PLAIN_OF.get(name, name)] else "NO"
-        for name in ENGINES
-        if name in PLAIN_OF
+        for name in PLAIN_OF
     }
-    stats = systems["bfloat16+quantized_self"].engine.verifier.stats
     result = {
         "num_prompts": len(prompts),
         "max_tokens": max_tokens,
         "threads": torch.get_num_threads(),
         "speed": timed,
         "exact": exact,
-        "quantized_self": {
-            "acceptance_rate": stats.acceptance_rate,
-            "mean_accepted_length": stats.mean_accepted_length,
-            "acceptance_per_position": stats.acceptance_per_position,
-        },
+        "speculation": {name: spec_summary(systems[name]) for name in SPECULATIVE},
         "quality": quality_report,
         "notes": notes,
         "int4_equals_float32": outputs["int4"] == outputs["float32"],

@@ -64,13 +64,23 @@ def _allocate_caches(
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        shared_caches: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
     ):
+        """``shared_caches``: another runner's KV tensors (keys, values), for a draft model of the
+        same shape that reads the target's cache instead of keeping one (see
+        drafters/draft_model.py); ``None`` allocates this runner's own."""
         self.model = model
         self.block_size = block_size
         cfg = model.config
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.k_caches, self.v_caches = _allocate_caches(shape, dtype, 2 * cfg.num_layers)
+        if shared_caches is None:
+            shared_caches = _allocate_caches(shape, dtype, 2 * cfg.num_layers)
+        self.k_caches, self.v_caches = shared_caches
         for attn, k, v in zip(model.attention_layers, self.k_caches, self.v_caches):
             attn.k_cache, attn.v_cache = k, v
 

@@ -166,3 +166,15 @@ def test_a_busy_batch_drafts_only_if_the_padded_step_pays():
     policy = AdaptivePolicy(max_drafts=8, cost=cost)
     policy.class_acceptance[1] = 0.9  # 0.9 + 0.81 expected tokens: depth 2 pays best
     assert policy.num_drafts(seqs, 1000) == [2] * 32
+
+
+def test_a_drafter_known_to_agree_is_tried_where_an_unknown_one_is_not():
+    """A draft forward costing 0.6 of a target step: at the default prior (0.5) no depth pays
+    (1.5 tokens for 1.6 steps), so an unmeasured draft model never drafts; a drafter whose drafts
+    are known to agree (quantized_self's prior, 0.9) drafts, and so gets measured."""
+    seq = decoding_seq(0)
+    draft_cost = StepCostModel([(1, 0.6)])
+    unknown = AdaptivePolicy(max_drafts=4, cost=FLAT, draft_cost=draft_cost)
+    agreeing = AdaptivePolicy(max_drafts=4, cost=FLAT, draft_cost=draft_cost, prior_acceptance=0.9)
+    assert unknown.num_drafts([seq], 1000) == [0]
+    assert agreeing.num_drafts([seq], 1000)[0] >= 2

@@ -79,3 +79,24 @@ def test_bad_quantization_requests_get_clear_errors():
         SpecConfig(drafter="quantized_self", draft_quantization="fp8")
     with pytest.raises(ValueError, match=r"input width \(48\) is not a multiple of 32"):
         LLM(tiny_model(hidden_size=48), tokenizer=byte_tokenizer(), quantization="int8")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"max_num_batched_tokens": 16},  # prompts in chunks beside decodes and verifications
+        {"num_kv_blocks": 24},  # preemption: sequences recomputed, their drafts restarted
+        {"enable_prefix_caching": False},
+    ],
+)
+def test_quantized_self_reads_the_targets_cache_in_every_step_shape(make_llm, options):
+    """The draft writes K/V only where the target has not computed yet, so sharing the target's
+    cache changes no output, whatever the step holds."""
+    plain = make_llm(block_size=4, **options)
+    spec = {"drafter": "quantized_self", "num_speculative_tokens": 6, "adaptive": False}
+    fast = make_llm(block_size=4, speculative=spec, **options)
+    assert fast.engine.drafter.runner.k_caches is fast.engine.runner.k_caches
+    prompts = PROMPTS + [PROMPTS[1] + [5, 6, 7]]  # a shared prefix for the prefix cache
+    expected = [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    assert [o.token_ids for o in fast.generate(prompts, GREEDY)] == expected
+    assert fast.engine.verifier.stats.num_accepted_tokens > 0
