@@ -102,6 +102,7 @@ class DraftModelDrafter:
             quantization=spec.draft_quantization,
             prequantized=prequantized_weights(target),
         )
+        model.embed_tokens = engine.runner.model.embed_tokens  # the same rows: share them
         target_caches = (engine.runner.k_caches, engine.runner.v_caches)
         dtype, blocks = engine.runner.k_caches[0].dtype, engine.scheduler.block_manager
         runner = ModelRunner(model, blocks.num_blocks, blocks.block_size, dtype, target_caches)

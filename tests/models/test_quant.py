@@ -95,7 +95,9 @@ def test_quantized_self_reads_the_targets_cache_in_every_step_shape(make_llm, op
     plain = make_llm(block_size=4, **options)
     spec = {"drafter": "quantized_self", "num_speculative_tokens": 6, "adaptive": False}
     fast = make_llm(block_size=4, speculative=spec, **options)
-    assert fast.engine.drafter.runner.k_caches is fast.engine.runner.k_caches
+    draft, target = fast.engine.drafter.runner, fast.engine.runner
+    assert draft.k_caches is target.k_caches and draft.v_caches is target.v_caches
+    assert draft.model.embed_tokens is target.model.embed_tokens
     prompts = PROMPTS + [PROMPTS[1] + [5, 6, 7]]  # a shared prefix for the prefix cache
     expected = [o.token_ids for o in plain.generate(prompts, GREEDY)]
     assert [o.token_ids for o in fast.generate(prompts, GREEDY)] == expected
