@@ -54,15 +54,17 @@ WIDE = {  # the default model's widths, with 2 layers and a small vocabulary
 }
 
 
-def default_runner(num_blocks: int) -> ModelRunner:
+def default_runner(num_blocks: int, quantization: str | None = None) -> ModelRunner:
     """The default model's runner in bf16: its trained weights and activations round in ways
     random weights rarely do (oneDNN's row differences vanished on random models)."""
-    llm = LLM(dtype="bfloat16", num_kv_blocks=num_blocks, block_size=BLOCK)
+    llm = LLM(
+        dtype="bfloat16", num_kv_blocks=num_blocks, block_size=BLOCK, quantization=quantization
+    )
     assert llm.engine.runner.model.batch_invariant
     return llm.engine.runner
 
 
-def check_random_steps(num_steps: int, seed: int = 0) -> None:
+def check_random_steps(num_steps: int, seed: int = 0, quantization: str | None = None) -> None:
     """Prefill each prompt alone, then run ``num_steps`` random steps that recompute windows of
     prompts: lone one-token decodes, several prompts at once with 1 to 9 rows each, and prompt
     chunks beside them. Every row must equal the lone prefill's row, bit for bit."""
@@ -72,7 +74,7 @@ def check_random_steps(num_steps: int, seed: int = 0) -> None:
     for n in lengths:
         tables.append(list(range(first, first + -(-n // BLOCK))))
         first += len(tables[-1])
-    runner = default_runner(first)
+    runner = default_runner(first, quantization)
     vocab = runner.model.config.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
     reference = [runner.forward([QueryChunk(p, 0, t, len(p))])[0] for p, t in zip(prompts, tables)]
@@ -94,8 +96,9 @@ def check_random_steps(num_steps: int, seed: int = 0) -> None:
 
 
 @pytest.mark.integration
-def test_logits_do_not_depend_on_the_step() -> None:
-    check_random_steps(40)
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_logits_do_not_depend_on_the_step(quantization: str | None) -> None:
+    check_random_steps(40 if quantization is None else 20, quantization=quantization)
 
 
 @pytest.mark.integration
@@ -174,14 +177,18 @@ def engine_prompts(rng: random.Random) -> list[list[int]]:
         {"enable_prefix_caching": True, "max_num_batched_tokens": 64},
         {"enable_prefix_caching": False, "max_num_batched_tokens": 300},
         {"enable_prefix_caching": True, "max_num_batched_tokens": 128, "num_kv_blocks": 140},
+        {"enable_prefix_caching": True, "max_num_batched_tokens": 64, "quantization": "int4"},
     ],
-    ids=["chunked-prefix-cache", "no-prefix-cache", "preemption"],
+    ids=["chunked-prefix-cache", "no-prefix-cache", "preemption", "int4-chunked"],
 )
 def test_engine_logits_and_tokens_equal_plain_decoding(options: dict, make_llm) -> None:  # noqa: ANN001
     model = {**WIDE, "vocab_size": 300}  # the default model's widths, the byte tokenizer
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     prompts = engine_prompts(random.Random(1))
-    plain = make_llm(dtype="bfloat16", model_overrides=model, block_size=BLOCK)
+    quantization = options.get("quantization")
+    plain = make_llm(
+        dtype="bfloat16", model_overrides=model, block_size=BLOCK, quantization=quantization
+    )
     plain_logits = record_logits(plain)
     reference = {tuple(p): plain.generate([p], params)[0].token_ids for p in prompts}
     for k in (1, 8):
