@@ -109,14 +109,12 @@ class DraftModelDrafter:
         return DraftModelDrafter(runner, engine.scheduler, "quantized_self", shares_target_kv=True)
 
     @staticmethod
-    def on_shared_blocks(
-        model: LlamaForCausalLM, engine: Engine, name: str = "draft_model"
-    ) -> DraftModelDrafter:
+    def on_shared_blocks(model: LlamaForCausalLM, engine: Engine) -> DraftModelDrafter:
         """A drafter running ``model`` on KV tensors of its own, indexed by the engine's blocks."""
         dtype = engine.runner.k_caches[0].dtype
         block_manager = engine.scheduler.block_manager
         runner = ModelRunner(model, block_manager.num_blocks, block_manager.block_size, dtype)
-        return DraftModelDrafter(runner, engine.scheduler, name)
+        return DraftModelDrafter(runner, engine.scheduler)
 
     def draft_class(self, seq: Sequence) -> int:
         return 1  # the draft model always has a guess, of one kind

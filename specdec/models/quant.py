@@ -87,9 +87,11 @@ class QuantLinear(nn.Module):
             packed.in_features,
             packed.out_features,
         )
-        self.codes = nn.Buffer(packed.codes)
-        self.scales = nn.Buffer(packed.scales)
-        self.mins = None if packed.mins is None else nn.Buffer(packed.mins)
+        # Frozen parameters, not buffers, so that the model's weights arena (huge pages, see
+        # models/hugepages.py) takes them as it takes float weights.
+        self.codes = nn.Parameter(packed.codes, requires_grad=False)
+        self.scales = nn.Parameter(packed.scales, requires_grad=False)
+        self.mins = None if packed.mins is None else nn.Parameter(packed.mins, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     @property
