@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from specdec.models.quant import QUANTIZATIONS
 from specdec.sequence import Sequence
 
 DRAFTERS = ("prompt_lookup", "draft_model", "quantized_self")
@@ -27,7 +28,7 @@ class SpecConfig:
     prompt_lookup_max: int = 4  # longest suffix n-gram prompt lookup matches
     draft_model: str | os.PathLike | Any | None = None  # draft_model: a path or a model object
     draft_tokenizer: Any = None  # tokenizer of an in-memory draft model (checked vs the target)
-    draft_quantization: str = "int4"  # quantized_self: the draft's weights, "int4" or "int8"
+    draft_quantization: str = "int4"  # quantized_self: a quantization of models/quant.py
     adaptive: bool = True  # choose k per sequence and step (see drafters/policy.py)
 
     def __post_init__(self) -> None:
@@ -43,9 +44,10 @@ class SpecConfig:
                 f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
             )
-        if self.draft_quantization not in ("int4", "int8"):
+        if self.draft_quantization not in QUANTIZATIONS:
             raise ValueError(
-                f"draft_quantization must be 'int4' or 'int8', got {self.draft_quantization!r}"
+                f"draft_quantization must be one of {', '.join(QUANTIZATIONS)}, got "
+                f"{self.draft_quantization!r}"
             )
         if self.drafter == "draft_model" and self.draft_model is None:
             raise ValueError("drafter 'draft_model' needs draft_model= (a path or a model)")

@@ -875,8 +875,9 @@ torch::Tensor linear_pairs(const torch::Tensor& x, const torch::Tensor& packed,
 
 // cpu_quant.cpp
 torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& codes,
-                           const torch::Tensor& scales, const c10::optional<torch::Tensor>& mins,
-                           const c10::optional<torch::Tensor>& bias, int64_t bits, int64_t out);
+                           const torch::Tensor& scales, const c10::optional<torch::Tensor>& extra,
+                           const c10::optional<torch::Tensor>& bias, int64_t bits, int64_t out,
+                           bool int8_activations);
 
 // cpu_sampling.cpp
 torch::Tensor exponential_noise(const torch::Tensor& keys, int64_t vocab);
@@ -890,7 +891,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x @ weight.T + bias for float32 rows");
   m.def("pack_pairs", &pack_pairs, "a bf16 [out, in] weight in the pair layout of linear_pairs (1-D)");
   m.def("linear_pairs", &linear_pairs, "x @ weight.T + bias for bf16 rows, weight packed");
-  m.def("quant_linear", &quant_linear, "x @ dequant(w).T + bias, w int4/int8 in groups of 32");
+  m.def("quant_linear", &quant_linear, "x @ dequant(w).T + bias, w int4/int8 in groups of 32, x float or int8");
   m.def("write_kv_", &write_kv_, "store each token's k and v rows at its cache slot");
   m.def("cached_attention", &cached_attention, "a padded group's attention to cached keys");
   m.def("exponential_noise", &exponential_noise, "Exp(1) noise [keys, vocab], counter-based");

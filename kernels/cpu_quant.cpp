@@ -1,30 +1,35 @@
-// Weight-only quantized linears for the CPU: y = x @ dequant(w)^T (+ bias), row-invariant (see
-// cpu_quant.py for the layout and the torch reference).
+// Quantized linears for the CPU: y = x @ dequant(w)^T (+ bias), row-invariant (see cpu_quant.py
+// for the layouts and the torch reference). Two kinds of tile share one driver: float
+// activations (quantization "int4"/"int8", weight-only) and int8 activations ("w4a8"/"w8a8",
+// further down).
 //
 // Weights come in groups of 32 inputs. int4 (asymmetric, as GGUF's Q4_1): w = d * q + m with a
 // code q in 0..15 and a float16 scale d and minimum m per group. int8 (symmetric, as GGUF's
-// Q8_0): w = d * q with q in -128..127 and a float16 scale per group. Activations stay in float:
-// a bfloat16 x is widened to float32 exactly, and every product is a float32 fused multiply-add.
+// Q8_0): w = d * q with q in -128..127 and a float16 scale per group. With float activations a
+// bfloat16 x is widened to float32 exactly, and every product is a float32 fused multiply-add.
 //
 // A group's contribution to an output is computed as
 //     d * sum_i q_i x_i  (+ m * sum_i x_i for int4)
 // which reads each code once and multiplies by the scale once per group, not once per weight.
 // The inner sum runs in two chains (even inputs and odd inputs, each in input order, from zero),
 // added as c0 + c1; the group terms are added to the output's total group by group, in order.
-// A group's chains start from zero, so consecutive groups overlap in the out-of-order core. Lanes of a vector are 16 output features, so there is no
-// horizontal reduction. Nothing in that order depends on the row count, the tile or the thread,
-// so a row's bits are the same in a one-row decode as in a 1,000-row prompt: what batch
-// invariance needs (see specdec/attention.py). The scalar code (no AVX-512) computes each lane
-// with the same fused multiply-adds in the same order, so it gives the same bits.
+// A group's chains start from zero, so consecutive groups overlap in the out-of-order core.
+// Lanes of a vector are 16 output features, so there is no horizontal reduction. Nothing in that
+// order depends on the row count, the tile or the thread, so a row's bits are the same in a
+// one-row decode as in a 1,000-row prompt: what batch invariance needs (see specdec/attention.py).
+// The scalar code (no AVX-512) computes each lane with the same operations in the same order, so
+// it gives the same bits.
 //
-// Work is split over threads by blocks of 16 features; within a block, tiles of up to kQuantRows
-// rows share each code vector loaded. Long inputs run in chunks of kQuantRowChunk rows.
+// Work is split over threads by blocks of 16 features; within a block, tiles of up to 8 rows
+// share each code vector loaded. Long inputs run in chunks of kQuantRowChunk rows.
 
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
+#include <cmath>
+#include <limits>
 #include <vector>
 
 #include "cpu_simd.h"
@@ -37,6 +42,13 @@ constexpr int64_t kGroup = 32;     // inputs per quantization group
 constexpr int64_t kFeatures = 16;  // output features per block: one vector of float32 sums
 constexpr int kQuantRows = 8;      // rows per tile: 8 rows x (2 chains + 1 total) = 24 zmm
 constexpr int64_t kQuantRowChunk = 128;
+#ifndef SPECDEC_A8_ROWS
+#define SPECDEC_A8_ROWS 8
+#endif
+#ifndef SPECDEC_PREFETCH_GROUPS
+#define SPECDEC_PREFETCH_GROUPS 16  // 4 KiB of int4 codes ahead: measured best of 0, 4, 8, 16, 32, 64
+#endif
+constexpr int64_t kPrefetchGroups = SPECDEC_PREFETCH_GROUPS;  // how far ahead the int8-activation tile prefetches
 
 struct QuantLayout {
   int64_t in, out, bits, blocks, groups;
@@ -149,12 +161,221 @@ void group_sums(const float* x, float* xsum, int64_t rows, int64_t in) {
   });
 }
 
-template <typename T, int R, int BITS>
-inline void quant_rows(const float* x, const float* xsum, const uint8_t* codes,
-                       const c10::Half* scales, const c10::Half* mins, const T* bias, T* y,
-                       const QuantLayout& l, int64_t m, int64_t block) {
+// --- int8 activations (quantization "w4a8" / "w8a8") -------------------------------------------
+//
+// Each row's inputs are quantized group by group, as llama.cpp quantizes activations for its
+// integer dot products (Q8_0): dx = max |x| / 127 over the group's 32 inputs, qx = round(x / dx)
+// (x times the float32 reciprocal, rounded half to even) in -127..127; a group whose dx is below
+// the smallest normal float is all zeros. The integer sums are exact, so only the float steps
+// below fix a row's bits, and they depend on nothing but the row:
+//     int4:  S = sum q qx (0..15 x -127..127)     y += dx * (dw * S + mw * sum qx)
+//     int8:  S = sum q qx (-128..127 x -127..127)  y += dx * (dw * S)
+// computed as t = float(S) * dw, t = fma(mw, float(sum qx), t), y = fma(t, dx, y), group by group.
+// With AVX-512 VNNI, vpdpbusd multiplies 64 unsigned by 64 signed bytes and adds each 4 products
+// into an int32 lane: 64 multiply-adds per instruction against 16 for a float FMA. Lane j is
+// output feature j, so the layout (see cpu_quant.py) gives lane j four consecutive inputs of its
+// feature and the row's matching four activation bytes are broadcast to every lane. The unsigned
+// operand must be the int4 codes, or, for int8 weights, the activations offset by 128 (qx ^ 0x80);
+// the offset's 128 * sum q per group and feature is stored beside the scales and taken back off.
+
+struct Int8Rows {
+  std::vector<uint8_t> q;  // [rows][in] qx as int8, or qx + 128 as uint8 (int8 weights)
+  std::vector<float> d;    // [rows][groups] dx
+  std::vector<float> s;    // [rows][groups] float(sum qx)
+};
+
+// One group of 32 inputs as int8 codes (offset by 128 for int8 weights); its dx and float(sum qx).
+inline void quantize_group(const float* x, bool offset, uint8_t* q, float* d_out, float* s_out) {
+#if defined(__AVX512F__)
+  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+#else
+  float amax = 0.0f;
+  for (int64_t k = 0; k < kGroup; k++) amax = std::max(amax, std::fabs(x[k]));
+#endif
+  float d = amax / 127.0f;
+  if (!(d >= std::numeric_limits<float>::min())) d = 0.0f;  // also catches NaN
+  const float inverse = d == 0.0f ? 0.0f : 1.0f / d;
+#if defined(__AVX512F__)
+  // cvtps rounds by MXCSR (half to even, as nearbyint); the clamp is the scalar code's
+  const __m512 inv = _mm512_set1_ps(inverse);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  const __m512i qa = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), lo), hi);
+  const __m512i qb = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(b, inv)), lo), hi);
+  const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+  __m128i ba = _mm512_cvtepi32_epi8(qa), bb = _mm512_cvtepi32_epi8(qb);
+  if (offset) {
+    ba = _mm_xor_si128(ba, _mm_set1_epi8(static_cast<char>(0x80)));
+    bb = _mm_xor_si128(bb, _mm_set1_epi8(static_cast<char>(0x80)));
+  }
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), ba);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), bb);
+#else
+  int32_t sum = 0;
+  for (int64_t k = 0; k < kGroup; k++) {
+    const float v = std::nearbyint(x[k] * inverse);  // the default rounding: half to even
+    const int32_t c = v >= 127.0f ? 127 : (v <= -127.0f ? -127 : static_cast<int32_t>(v));
+    sum += c;
+    q[k] = static_cast<uint8_t>(offset ? c + 128 : c);
+  }
+#endif
+  *d_out = d;
+  *s_out = static_cast<float>(sum);
+}
+
+Int8Rows quantize_rows(const float* x, int64_t rows, int64_t in, bool offset) {
+  const int64_t groups = in / kGroup;
+  Int8Rows a{std::vector<uint8_t>(rows * in), std::vector<float>(rows * groups),
+             std::vector<float>(rows * groups)};
+  at::parallel_for(0, rows * groups, 256, [&](int64_t begin, int64_t end) {
+    // rows are contiguous, so group i of all rows' groups starts at input 32 i
+    for (int64_t i = begin; i < end; i++)
+      quantize_group(x + i * kGroup, offset, a.q.data() + i * kGroup, &a.d[i], &a.s[i]);
+  });
+  return a;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+
+inline __m512i broadcast4(const uint8_t* p) {  // 4 bytes into every int32 lane
+  int32_t v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return _mm512_set1_epi32(v);
+}
+
+template <int R, int BITS>
+inline void int8_tile(const Int8Rows& a, int64_t m, const uint8_t* codes, const c10::Half* scales,
+                      const void* extra, const QuantLayout& l, int64_t block,
+                      float* totals /* [R][16] */) {
+  __m512 total[R];
+  for (int r = 0; r < R; r++) total[r] = _mm512_setzero_ps();
+  const uint8_t* c = codes + block * l.groups * l.group_bytes();
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < l.groups; g++, c += l.group_bytes()) {
+    // int32 sums, exact in any order: two chains per row hide vpdpbusd's latency when the rows
+    // are few; with many rows, one chain each keeps the tile in registers
+    constexpr int C = R >= 4 ? 1 : 2;
+    __m512i chain[R][2];
+    for (int r = 0; r < R; r++) chain[r][0] = chain[r][1] = _mm512_setzero_si512();
+    const uint8_t* q = a.q.data() + m * l.in + g * kGroup;
+    // Decode steps are bound by reading the codes from memory: ask for them a few groups early.
+    for (int64_t line = 0; line < l.group_bytes(); line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetchGroups * l.group_bytes() + line), _MM_HINT_T0);
+    if (BITS == 4) {
+      for (int k = 0; k < 4; k++) {  // low nibbles: inputs 4k..4k+3; high: 16 + 4k..16 + 4k+3
+        const __m512i raw = _mm512_loadu_si512(c + k * 64);
+        const __m512i lo = _mm512_and_si512(raw, nibble);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+        for (int r = 0; r < R; r++) {
+          chain[r][0] = _mm512_dpbusd_epi32(chain[r][0], lo, broadcast4(q + r * l.in + 4 * k));
+          chain[r][C - 1] = _mm512_dpbusd_epi32(chain[r][C - 1], hi, broadcast4(q + r * l.in + 16 + 4 * k));
+        }
+      }
+    } else {
+      for (int t = 0; t < 8; t++) {  // inputs 4t..4t+3
+        const __m512i w = _mm512_loadu_si512(c + t * 64);
+        for (int r = 0; r < R; r++)
+          chain[r][t % C] = _mm512_dpbusd_epi32(chain[r][t % C], broadcast4(q + r * l.in + 4 * t), w);
+      }
+    }
+    const int64_t s = (block * l.groups + g) * kFeatures;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + s)));
+    __m512 mn = _mm512_setzero_ps();
+    __m512i offset = _mm512_setzero_si512();
+    if (BITS == 4)
+      mn = _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(extra) + block * l.groups + g));
+    else
+      offset = _mm512_slli_epi32(_mm512_cvtepi16_epi32(_mm256_loadu_si256(
+                   static_cast<const __m256i*>(extra) + block * l.groups + g)), 7);
+    for (int r = 0; r < R; r++) {
+      const int64_t rg = (m + r) * l.groups + g;
+      const __m512i both = C == 2 ? _mm512_add_epi32(chain[r][0], chain[r][1]) : chain[r][0];
+      const __m512i sum = _mm512_sub_epi32(both, offset);
+      __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), d);
+      if (BITS == 4) t = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.s[rg]), t);
+      total[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(a.d[rg]), total[r]);
+    }
+  }
+  for (int r = 0; r < R; r++) _mm512_storeu_ps(totals + r * kFeatures, total[r]);
+}
+
+#else
+
+// The same sums lane by lane (integers: exact in any order), then the same float steps.
+template <int R, int BITS>
+inline void int8_tile(const Int8Rows& a, int64_t m, const uint8_t* codes, const c10::Half* scales,
+                      const void* extra, const QuantLayout& l, int64_t block,
+                      float* totals /* [R][16] */) {
+  for (int r = 0; r < R; r++)
+    for (int j = 0; j < kFeatures; j++) totals[r * kFeatures + j] = 0.0f;
+  const uint8_t* c = codes + block * l.groups * l.group_bytes();
+  for (int64_t g = 0; g < l.groups; g++, c += l.group_bytes()) {
+    const int64_t s = (block * l.groups + g) * kFeatures;
+    for (int j = 0; j < kFeatures; j++) {
+      int32_t w[kGroup];
+      for (int64_t i = 0; i < kGroup; i++) {  // input i of feature j, in the layout's place
+        const int64_t quad = i / 4, b = i % 4;
+        if (BITS == 4) {
+          const uint8_t byte = c[(quad % 4) * 64 + j * 4 + b];
+          w[i] = quad < 4 ? byte & 0xF : byte >> 4;
+        } else {
+          w[i] = static_cast<int8_t>(c[quad * 64 + j * 4 + b]);
+        }
+      }
+      const float d = static_cast<float>(scales[s + j]);
+      for (int r = 0; r < R; r++) {
+        const uint8_t* q = a.q.data() + (m + r) * l.in + g * kGroup;
+        int32_t sum = 0;
+        for (int64_t i = 0; i < kGroup; i++)
+          sum += w[i] * (BITS == 4 ? static_cast<int32_t>(static_cast<int8_t>(q[i]))
+                                   : static_cast<int32_t>(q[i]));
+        if (BITS == 8) sum -= 128 * static_cast<const int16_t*>(extra)[s + j];
+        const int64_t rg = (m + r) * l.groups + g;
+        float t = static_cast<float>(sum) * d;
+        if (BITS == 4) t = std::fma(static_cast<float>(static_cast<const c10::Half*>(extra)[s + j]), a.s[rg], t);
+        float* total = totals + r * kFeatures + j;
+        *total = std::fma(t, a.d[rg], *total);
+      }
+    }
+  }
+}
+
+#endif
+
+// --- the driver: threads over blocks of 16 features, tiles of rows within a block -------------
+
+template <int BITS>
+struct FloatTile {  // float activations
+  static constexpr int kRows = kQuantRows;
+  const float *x, *xsum;
+  const uint8_t* codes;
+  const c10::Half *scales, *mins;
+  const QuantLayout& l;
+  template <int R>
+  void run(int64_t m, int64_t block, float* totals) const {
+    quant_tile<R, BITS>(x + m * l.in, xsum + m * l.groups, codes, scales, mins, l, block, totals);
+  }
+};
+
+template <int BITS>
+struct Int8Tile {  // int8 activations
+  static constexpr int kRows = SPECDEC_A8_ROWS;
+  const Int8Rows& a;
+  const uint8_t* codes;
+  const c10::Half* scales;
+  const void* extra;  // mins (int4, float16) or sums of codes (int8, int16)
+  const QuantLayout& l;
+  template <int R>
+  void run(int64_t m, int64_t block, float* totals) const {
+    int8_tile<R, BITS>(a, m, codes, scales, extra, l, block, totals);
+  }
+};
+
+template <typename T, int R, typename Tile>
+inline void tile_rows(const Tile& tile, const T* bias, T* y, const QuantLayout& l, int64_t m,
+                      int64_t block) {
   float totals[R * kFeatures];
-  quant_tile<R, BITS>(x + m * l.in, xsum + m * l.groups, codes, scales, mins, l, block, totals);
+  tile.template run<R>(m, block, totals);
   const int64_t n0 = block * kFeatures, width = std::min(kFeatures, l.out - n0);
   for (int r = 0; r < R; r++)
     for (int64_t j = 0; j < width; j++) {
@@ -163,20 +384,18 @@ inline void quant_rows(const float* x, const float* xsum, const uint8_t* codes,
     }
 }
 
-template <typename T, int BITS>
-void quant_linear_rows(const float* x, const float* xsum, const uint8_t* codes,
-                       const c10::Half* scales, const c10::Half* mins, const T* bias, T* y,
-                       int64_t rows, const QuantLayout& l) {
+template <typename T, typename Tile>
+void quant_linear_rows(const Tile& tile, const T* bias, T* y, int64_t rows, const QuantLayout& l) {
   for (int64_t m0 = 0; m0 < rows; m0 += kQuantRowChunk) {
     const int64_t m1 = std::min(rows, m0 + kQuantRowChunk);
     at::parallel_for(0, l.blocks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t block = begin; block < end; block++) {
         int64_t m = m0;
-        for (; m + kQuantRows <= m1; m += kQuantRows)
-          quant_rows<T, kQuantRows, BITS>(x, xsum, codes, scales, mins, bias, y, l, m, block);
+        for (; m + Tile::kRows <= m1; m += Tile::kRows)
+          tile_rows<T, Tile::kRows>(tile, bias, y, l, m, block);
         switch (m1 - m) {
 #define SPECDEC_QUANT_TAIL(R) \
-  case R: quant_rows<T, R, BITS>(x, xsum, codes, scales, mins, bias, y, l, m, block); break;
+  case R: tile_rows<T, R>(tile, bias, y, l, m, block); break;
           SPECDEC_QUANT_TAIL(7) SPECDEC_QUANT_TAIL(6) SPECDEC_QUANT_TAIL(5) SPECDEC_QUANT_TAIL(4)
           SPECDEC_QUANT_TAIL(3) SPECDEC_QUANT_TAIL(2) SPECDEC_QUANT_TAIL(1)
 #undef SPECDEC_QUANT_TAIL
@@ -190,8 +409,9 @@ void quant_linear_rows(const float* x, const float* xsum, const uint8_t* codes,
 }  // namespace
 
 torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& codes,
-                           const torch::Tensor& scales, const c10::optional<torch::Tensor>& mins,
-                           const c10::optional<torch::Tensor>& bias, int64_t bits, int64_t out) {
+                           const torch::Tensor& scales, const c10::optional<torch::Tensor>& extra,
+                           const c10::optional<torch::Tensor>& bias, int64_t bits, int64_t out,
+                           bool int8_activations) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x must be a contiguous 2-D float32 or bfloat16 CPU tensor");
@@ -205,27 +425,43 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& codes,
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kHalf &&
                   scales.numel() == l.blocks * l.groups * kFeatures,
               "scales must be the packed float16 scales, one per 16 features and group");
-  const bool has_mins = mins.has_value() && mins->defined();
-  TORCH_CHECK(has_mins == (bits == 4), "int4 weights need mins, int8 weights have none");
-  if (has_mins)
-    TORCH_CHECK(mins->is_contiguous() && mins->scalar_type() == at::kHalf &&
-                    mins->numel() == scales.numel(),
-                "mins must be packed float16, shaped as scales");
+  const bool has_extra = extra.has_value() && extra->defined();
+  const bool sums = int8_activations && bits == 8;  // int8 x int8 needs the codes' group sums
+  TORCH_CHECK(has_extra == (bits == 4 || sums),
+              bits == 4 ? "int4 weights need mins"
+                        : (sums ? "int8 weights with int8 activations need the codes' group sums"
+                                : "int8 weights with float activations take no mins"));
+  if (has_extra)
+    TORCH_CHECK(extra->is_contiguous() && extra->scalar_type() == (sums ? at::kShort : at::kHalf) &&
+                    extra->numel() == scales.numel(),
+                sums ? "sums must be packed int16, shaped as scales"
+                     : "mins must be packed float16, shaped as scales");
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias)
     TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == x.scalar_type() &&
                     bias->numel() == out,
                 "bias must have x's dtype and one entry per output feature");
   const auto x32 = x.to(at::kFloat).contiguous();
-  std::vector<float> xsum(bits == 4 ? x.size(0) * l.groups : 0);
-  if (bits == 4) group_sums(x32.data_ptr<float>(), xsum.data(), x.size(0), in);
   auto y = torch::empty({x.size(0), out}, x.options());
-  const c10::Half* m = has_mins ? mins->data_ptr<c10::Half>() : nullptr;
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const c10::Half* d = scales.data_ptr<c10::Half>();
+  const void* e = has_extra ? extra->data_ptr() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "quant_linear", [&] {
-    const auto run = bits == 4 ? quant_linear_rows<scalar_t, 4> : quant_linear_rows<scalar_t, 8>;
-    run(x32.data_ptr<float>(), xsum.data(), codes.data_ptr<uint8_t>(),
-        scales.data_ptr<c10::Half>(), m, has_bias ? bias->data_ptr<scalar_t>() : nullptr,
-        y.data_ptr<scalar_t>(), x.size(0), l);
+    const scalar_t* b = has_bias ? bias->data_ptr<scalar_t>() : nullptr;
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    if (int8_activations) {
+      const Int8Rows a = quantize_rows(x32.data_ptr<float>(), x.size(0), in, bits == 8);
+      if (bits == 4) quant_linear_rows(Int8Tile<4>{a, c, d, e, l}, b, yp, x.size(0), l);
+      else quant_linear_rows(Int8Tile<8>{a, c, d, e, l}, b, yp, x.size(0), l);
+      return;
+    }
+    std::vector<float> xsum(bits == 4 ? x.size(0) * l.groups : 0);
+    if (bits == 4) group_sums(x32.data_ptr<float>(), xsum.data(), x.size(0), in);
+    const auto* mins = static_cast<const c10::Half*>(e);
+    if (bits == 4)
+      quant_linear_rows(FloatTile<4>{x32.data_ptr<float>(), xsum.data(), c, d, mins, l}, b, yp, x.size(0), l);
+    else
+      quant_linear_rows(FloatTile<8>{x32.data_ptr<float>(), xsum.data(), c, d, mins, l}, b, yp, x.size(0), l);
   });
   return y;
 }

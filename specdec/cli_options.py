@@ -6,15 +6,18 @@ from typing import Any
 
 import click
 
+from specdec.models.quant import QUANTIZATIONS
+
 
 def model_options(fn: Any) -> Any:
     """``--model``, ``--dtype``, ``--quantization`` and ``--batch-invariant``."""
     fn = click.option(
         "--quantization",
         default=None,
-        type=click.Choice(["int8", "int4"]),
-        help="Weight-only quantized linears (int4: the output layer in int8); a GGUF file's "
-        "Q4_1/Q8_0 weights are used as they are (default: none).",
+        type=click.Choice(list(QUANTIZATIONS)),
+        help="Quantized linears: int8/int4 weight-only (int4: the output layer in int8), "
+        "w8a8/w4a8 the same weights with int8 activations (faster, not the weights' exact "
+        "function); a GGUF file's Q4_1/Q8_0 weights are used as they are (default: none).",
     )(fn)
     fn = click.option(
         "--batch-invariant/--no-batch-invariant",

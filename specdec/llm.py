@@ -24,9 +24,10 @@ class LLM:
 
     ``model`` is ``None`` (the embedded SmolLM2-135M-Instruct), a local Hugging Face directory, a
     GGUF file, or an in-memory ``transformers`` model. ``dtype`` is the activations' dtype and
-    that of every unquantized weight; ``quantization`` (``"int8"``, ``"int4"`` or ``None``) runs
-    the linears on weight-only quantized weights (see :mod:`specdec.models.quant`; a GGUF file's
-    Q4_1 and Q8_0 tensors are used as they are). Engine options are the fields of
+    that of every unquantized weight; ``quantization`` (``"int8"``, ``"int4"``, ``"w8a8"``,
+    ``"w4a8"`` or ``None``) runs the linears on quantized weights, weight-only or (``w*a8``) with
+    int8 activations too (see :mod:`specdec.models.quant`; a GGUF file's Q4_1 and Q8_0 tensors
+    are used as they are). Engine options are the fields of
     :class:`~specdec.config.EngineConfig` (``max_num_seqs``, ``num_kv_blocks``, ...).
 
     >>> llm = LLM()

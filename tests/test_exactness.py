@@ -96,7 +96,7 @@ def check_random_steps(num_steps: int, seed: int = 0, quantization: str | None =
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("quantization", [None, "int4"])
+@pytest.mark.parametrize("quantization", [None, "int4", "w4a8"])
 def test_logits_do_not_depend_on_the_step(quantization: str | None) -> None:
     check_random_steps(40 if quantization is None else 20, quantization=quantization)
 
@@ -178,8 +178,9 @@ def engine_prompts(rng: random.Random) -> list[list[int]]:
         {"enable_prefix_caching": False, "max_num_batched_tokens": 300},
         {"enable_prefix_caching": True, "max_num_batched_tokens": 128, "num_kv_blocks": 140},
         {"enable_prefix_caching": True, "max_num_batched_tokens": 64, "quantization": "int4"},
+        {"enable_prefix_caching": True, "max_num_batched_tokens": 64, "quantization": "w4a8"},
     ],
-    ids=["chunked-prefix-cache", "no-prefix-cache", "preemption", "int4-chunked"],
+    ids=["chunked-prefix-cache", "no-prefix-cache", "preemption", "int4-chunked", "w4a8-chunked"],
 )
 def test_engine_logits_and_tokens_equal_plain_decoding(options: dict, make_llm) -> None:  # noqa: ANN001
     model = {**WIDE, "vocab_size": 300}  # the default model's widths, the byte tokenizer

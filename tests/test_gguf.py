@@ -75,4 +75,7 @@ def test_cli_runs_int4_and_the_quantized_self_drafter():
     result = CliRunner().invoke(main, [*args, "--stats", "What is 2+2?"])
     assert result.exit_code == 0 and "accept" in result.output.lower(), result.output
     result = CliRunner().invoke(main, ["generate", "--quantization", "int3", "hi"])
-    assert result.exit_code == 2 and "'int3' is not one of 'int8', 'int4'" in result.output
+    assert (
+        result.exit_code == 2
+        and "'int3' is not one of 'int8', 'int4', 'w8a8', 'w4a8'" in result.output
+    )

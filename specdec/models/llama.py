@@ -242,8 +242,8 @@ class LlamaForCausalLM(nn.Module):
         keeps MKL's faster kernels, whose rounding differs between row counts by far less than
         float32's gaps between logits (``True`` with float32 is an error).
 
-        ``quantization`` (``"int8"``, ``"int4"`` or ``None``): weight-only quantized linears (see
-        :mod:`specdec.models.quant`), ``prequantized`` the weights that arrived quantized (a GGUF
+        ``quantization`` (``"int8"``, ``"int4"``, ``"w8a8"``, ``"w4a8"`` or ``None``): quantized
+        linears (see :mod:`specdec.models.quant`), ``prequantized`` the weights that arrived quantized (a GGUF
         file's), by module name. Quantized linears are row-invariant in every dtype.
         """
         with torch.device("meta"):

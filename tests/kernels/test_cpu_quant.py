@@ -1,4 +1,5 @@
-"""The int4/int8 weight-only linear kernel against its torch reference, and its row invariance."""
+"""The int4/int8 linear kernel (float or int8 activations) against its torch reference, and its
+row invariance."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from specdec.kernels.cpu_quant import (
     pack,
     quant_linear,
     quant_linear_reference,
+    quantize_activations,
     unpack,
 )
 from specdec.models.quant import quantize
@@ -28,10 +30,14 @@ def random_weight(shape: tuple[int, int], bits: int, seed: int = 0) -> QuantWeig
     return quantize(torch.randn(out, width) * 0.05, bits)
 
 
+A8 = [False, True]  # int8_activations
+
+
+@pytest.mark.parametrize("int8_activations", A8)
 @pytest.mark.parametrize("bits", [4, 8])
-def test_pack_and_unpack_are_inverse(bits: int) -> None:
+def test_pack_and_unpack_are_inverse(bits: int, int8_activations: bool) -> None:
     weight = random_weight((96, 40), bits)
-    back = unpack(pack(weight))
+    back = unpack(pack(weight, int8_activations))
     assert torch.equal(back.codes, weight.codes) and torch.equal(back.scales, weight.scales)
     assert (back.mins is None) == (weight.mins is None)
     if weight.mins is not None:
@@ -49,25 +55,45 @@ def test_quantization_error_is_half_a_step(bits: int, worst: float) -> None:
     assert (error <= span * worst * 1.01 + 1e-3 * span).all()
 
 
+def test_activations_round_to_int8_per_group() -> None:
+    """Each group of 32 becomes ``dx * qx`` with ``dx = max |x| / 127``: within half a step of
+    itself, its largest entry kept, and a group of zeros (or of denormals) all zeros."""
+    torch.manual_seed(3)
+    x = torch.randn(4, 96) * torch.tensor([1e-3, 1.0, 30.0]).repeat_interleave(32)
+    x[3, :32] = 1e-39  # below 127 * the smallest normal: the group rounds to zeros
+    rounded = quantize_activations(x)
+    step = x.abs().reshape(4, 3, 32).amax(-1, keepdim=True) / 127
+    error = (rounded - x).abs().reshape(4, 3, 32)
+    assert (error[:3] <= step[:3] * 0.5001).all()
+    assert torch.equal(rounded[3, :32], torch.zeros(32))
+    peaks = x.abs().reshape(4, 3, 32).argmax(-1, keepdim=True)
+    kept = rounded.reshape(4, 3, 32).gather(-1, peaks) - x.reshape(4, 3, 32).gather(-1, peaks)
+    assert (kept.abs()[:3] <= step[:3] * 1e-5).all()
+
+
 @needs_kernels
+@pytest.mark.parametrize("int8_activations", A8)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_kernel_matches_the_dequantizing_reference(bits, dtype, shape) -> None:
-    """Within float32 rounding of a sum of `in` products (float32), or one bf16 ulp (bf16)."""
+def test_kernel_matches_the_dequantizing_reference(bits, dtype, shape, int8_activations) -> None:
+    """Within float32 rounding of a sum of `in` products (float32), or one bf16 ulp (bf16).
+
+    With int8 activations the kernel rounds ``x`` as the reference does (a rounding tie that went
+    the other way would move a product by a whole step and fail the tolerance)."""
     weight = random_weight(shape, bits)
     bias = torch.randn(shape[1]).to(dtype)
     x = torch.randn(9, shape[0]).to(dtype)
-    got = quant_linear(cpu_ops.extension(), x, pack(weight), bias)
-    expected = quant_linear_reference(x, weight, bias)
+    got = quant_linear(cpu_ops.extension(), x, pack(weight, int8_activations), bias)
+    expected = quant_linear_reference(x, weight, bias, int8_activations)
     assert got.dtype == dtype and got.shape == expected.shape
     tolerance = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)
     torch.testing.assert_close(got.float(), expected.float(), **tolerance)
 
 
-def _check_rows(kernels, bits: int, dtype: torch.dtype) -> None:  # noqa: ANN001
+def _check_rows(kernels, bits: int, dtype: torch.dtype, int8_activations: bool) -> None:  # noqa: ANN001
     for shape in SHAPES:
-        packed = pack(random_weight(shape, bits))
+        packed = pack(random_weight(shape, bits), int8_activations)
         x = torch.randn(max(ROW_COUNTS), shape[0]).to(dtype)
         alone = torch.cat([quant_linear(kernels, x[i : i + 1], packed) for i in range(len(x))])
         for rows in ROW_COUNTS:
@@ -76,11 +102,12 @@ def _check_rows(kernels, bits: int, dtype: torch.dtype) -> None:  # noqa: ANN001
 
 
 @needs_kernels
+@pytest.mark.parametrize("int8_activations", A8)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rows_do_not_depend_on_the_row_count(bits: int, dtype: torch.dtype) -> None:
-    """A row gets the same bits alone, in a tile of 2-4, and across the 128-row chunks."""
-    _check_rows(cpu_ops.extension(), bits, dtype)
+def test_rows_do_not_depend_on_the_row_count(bits, dtype, int8_activations) -> None:
+    """A row gets the same bits alone, in a tile of 2-8, and across the 128-row chunks."""
+    _check_rows(cpu_ops.extension(), bits, dtype, int8_activations)
 
 
 @pytest.mark.skipif(os.environ.get("SPECDEC_SLOW_TESTS") != "1", reason="SPECDEC_SLOW_TESTS=1")
@@ -89,12 +116,13 @@ def test_portable_build_gives_the_same_bits() -> None:
     """The scalar code of a CPU without AVX-512, compiled here, gives this machine's bits."""
     portable = cpu_ops._build(("-mno-avx512f",), "specdec_cpu_ops_portable")
     for bits in (4, 8):
-        _check_rows(portable, bits, torch.float32)
-        packed = pack(random_weight((576, 40), bits))
-        x = torch.randn(5, 576)
-        assert torch.equal(
-            quant_linear(portable, x, packed), quant_linear(cpu_ops.extension(), x, packed)
-        )
+        for int8_activations in A8:
+            _check_rows(portable, bits, torch.float32, int8_activations)
+            packed = pack(random_weight((576, 40), bits), int8_activations)
+            x = torch.randn(5, 576)
+            assert torch.equal(
+                quant_linear(portable, x, packed), quant_linear(cpu_ops.extension(), x, packed)
+            )
 
 
 @needs_kernels
@@ -102,16 +130,25 @@ def test_kernel_rejects_mismatched_arguments() -> None:
     kernels, packed = cpu_ops.extension(), pack(random_weight((64, 40), 4))
     with pytest.raises(RuntimeError, match="multiple of 32"):
         kernels.quant_linear(
-            torch.randn(2, 48), packed.codes, packed.scales, packed.mins, None, 4, 40
+            torch.randn(2, 48), packed.codes, packed.scales, packed.extra, None, 4, 40, False
         )
     with pytest.raises(RuntimeError, match="codes must be the packed"):
         kernels.quant_linear(
-            torch.randn(2, 96), packed.codes, packed.scales, packed.mins, None, 4, 40
+            torch.randn(2, 96), packed.codes, packed.scales, packed.extra, None, 4, 40, False
         )
     with pytest.raises(RuntimeError, match="int4 weights need mins"):
-        kernels.quant_linear(torch.randn(2, 64), packed.codes, packed.scales, None, None, 4, 40)
+        kernels.quant_linear(
+            torch.randn(2, 64), packed.codes, packed.scales, None, None, 4, 40, False
+        )
     with pytest.raises(RuntimeError, match="bias must have"):
         quant_linear(kernels, torch.randn(2, 64), packed, torch.randn(41))
+    int8 = pack(random_weight((64, 40), 8), int8_activations=True)
+    with pytest.raises(RuntimeError, match="int8 activations need the codes' group sums"):
+        kernels.quant_linear(torch.randn(2, 64), int8.codes, int8.scales, None, None, 8, 40, True)
+    with pytest.raises(RuntimeError, match="sums must be packed int16"):
+        kernels.quant_linear(
+            torch.randn(2, 64), int8.codes, int8.scales, int8.scales, None, 8, 40, True
+        )
 
 
 def test_quant_weights_refuse_bad_shapes() -> None:

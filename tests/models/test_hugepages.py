@@ -82,5 +82,5 @@ def test_quantized_weights_move_with_the_rest() -> None:
     quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert quantized and moved > 0
     for m in quantized:
-        for t in (m.codes, m.scales) + (() if m.mins is None else (m.mins,)):
+        for t in (m.codes, m.scales) + (() if m.extra is None else (m.extra,)):
             assert arena[0] <= t.data_ptr() < arena[0] + moved

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from specdec import LLM, SamplingParams
 from specdec.drafters import SpecConfig
-from specdec.models.quant import HEAD_BITS, QuantLinear, quantize
+from specdec.models.quant import QUANTIZATIONS, QuantLinear, dequantized_linears
 from tests.tiny import byte_tokenizer, hf_greedy, tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -15,41 +14,35 @@ PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2], list(range(10, 40)) * 2, [7] * 13,
 UNTIED = {"tie_word_embeddings": False}  # so that the head can be quantized apart from lookups
 
 
-def dequantized_copy(model, quantization: str):  # noqa: ANN001, ANN201
-    """``model`` with each linear's weight replaced by its quantized-then-dequantized self."""
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear):
-            bits = HEAD_BITS if name == "lm_head" or quantization == "int8" else 4
-            module.weight.data = quantize(module.weight, bits).dequantize()
-    return model
-
-
-@pytest.mark.parametrize("quantization", ["int4", "int8"])
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_quantized_model_computes_its_dequantized_weights(make_llm, arch, quantization):
-    """Greedy output equals transformers' on the dequantized weights: every linear (fused q/k/v
-    and gate/up, biases, the head) holds the right codes in the right place."""
+    """Greedy output equals transformers' on the dequantized weights (and, for w4a8 and w8a8,
+    each linear's input rounded to int8 per group): every linear (fused q/k/v and gate/up,
+    biases, the head) holds the right codes in the right place and the right mode."""
     llm = make_llm(arch, model_overrides=UNTIED, quantization=quantization)
     linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantLinear)]
     assert len(linears) == 4 * 2 + 1  # qkv, o, gate_up, down per layer, and the head
-    assert {m.bits for m in linears} == ({4, 8} if quantization == "int4" else {8})
-    reference = dequantized_copy(tiny_model(arch, **UNTIED), quantization)
+    assert {m.bits for m in linears} == ({4, 8} if quantization in ("int4", "w4a8") else {8})
+    assert {m.int8_activations for m in linears} == {quantization.endswith("a8")}
+    reference = dequantized_linears(tiny_model(arch, **UNTIED), quantization)
     for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY)):
         assert out.token_ids == hf_greedy(reference, prompt, GREEDY.max_tokens)
 
 
+@pytest.mark.parametrize("quantization", ["int4", "w4a8"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_int4_target_under_speculation_equals_its_plain_decoding(make_llm, dtype):
-    plain = make_llm(dtype=dtype, quantization="int4", block_size=4)
+def test_int4_target_under_speculation_equals_its_plain_decoding(make_llm, dtype, quantization):
+    plain = make_llm(dtype=dtype, quantization=quantization, block_size=4)
     spec = {"drafter": "prompt_lookup", "num_speculative_tokens": 5, "adaptive": False}
-    fast = make_llm(dtype=dtype, quantization="int4", block_size=4, speculative=spec)
+    fast = make_llm(dtype=dtype, quantization=quantization, block_size=4, speculative=spec)
     expected = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
     assert [o.token_ids for o in fast.generate(PROMPTS, GREEDY)] == expected
     assert fast.engine.verifier.stats.num_draft_tokens > 0
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("draft_quantization", ["int4", "int8"])
+@pytest.mark.parametrize("draft_quantization", QUANTIZATIONS)
 def test_quantized_self_output_equals_plain_decoding(make_llm, dtype, draft_quantization):
     plain = make_llm(dtype=dtype, block_size=4)
     spec = {
@@ -68,14 +61,16 @@ def test_quantized_self_output_equals_plain_decoding(make_llm, dtype, draft_quan
     stats = fast.engine.verifier.stats
     # A close copy agrees far above chance (1 in 300 here); int4 is coarse on this tiny random
     # model (about a third accepted), int8 close (over nine in ten).
-    floor = 0.2 if draft_quantization == "int4" else 0.8
+    floor = 0.2 if draft_quantization in ("int4", "w4a8") else 0.7
     assert stats.num_draft_tokens > 0 and stats.acceptance_rate > floor
 
 
 def test_bad_quantization_requests_get_clear_errors():
-    with pytest.raises(ValueError, match="unknown quantization 'int3': use one of int8, int4"):
+    with pytest.raises(
+        ValueError, match="unknown quantization 'int3': use one of int8, int4, w8a8, w4a8"
+    ):
         LLM(tiny_model(), tokenizer=byte_tokenizer(), quantization="int3")
-    with pytest.raises(ValueError, match="draft_quantization must be 'int4' or 'int8'"):
+    with pytest.raises(ValueError, match="draft_quantization must be one of int8, int4, w8a8"):
         SpecConfig(drafter="quantized_self", draft_quantization="fp8")
     with pytest.raises(ValueError, match=r"input width \(48\) is not a multiple of 32"):
         LLM(tiny_model(hidden_size=48), tokenizer=byte_tokenizer(), quantization="int8")
