@@ -28,7 +28,7 @@ class SpecConfig:
     prompt_lookup_max: int = 4  # longest suffix n-gram prompt lookup matches
     draft_model: str | os.PathLike | Any | None = None  # draft_model: a path or a model object
     draft_tokenizer: Any = None  # tokenizer of an in-memory draft model (checked vs the target)
-    draft_quantization: str = "int4"  # quantized_self: a quantization of models/quant.py
+    draft_quantization: str | None = None  # quantized_self: models/quant.py's; None: the fastest
     adaptive: bool = True  # choose k per sequence and step (see drafters/policy.py)
 
     def __post_init__(self) -> None:
@@ -44,7 +44,7 @@ class SpecConfig:
                 f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
             )
-        if self.draft_quantization not in QUANTIZATIONS:
+        if self.draft_quantization is not None and self.draft_quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"draft_quantization must be one of {', '.join(QUANTIZATIONS)}, got "
                 f"{self.draft_quantization!r}"

@@ -1,6 +1,7 @@
 """A smaller causal LM as drafter (Leviathan et al. 2023; Chen et al. 2023), or the target's
-own weights quantized to int4 or int8 (``quantized_self``: a draft that needs no training and
-agrees with the target almost always, read at a quarter of the bytes).
+own weights quantized (``quantized_self``: a draft that needs no training and agrees with the
+target almost always, read at a quarter of the bytes; by default ``w4a8``, int4 weights and int8
+activations, where the CPU has AVX-512 VNNI, else weight-only ``int4``).
 
 ``quantized_self`` has the target's shape, so it reads the target's own KV cache instead of
 keeping one (QSpec, Zhao et al. 2024, drafts with a model's own low-precision run and reuses
@@ -47,6 +48,7 @@ from specdec.drafters.policy import PRIOR_ACCEPTANCE
 from specdec.engine import Engine
 from specdec.loader import LoadedCheckpoint, load_checkpoint, prequantized_weights
 from specdec.models.llama import LlamaForCausalLM
+from specdec.models.quant import default_draft_quantization
 from specdec.runner import ModelRunner, QueryChunk
 from specdec.sampling import next_tokens
 from specdec.scheduler import Scheduler
@@ -88,7 +90,8 @@ class DraftModelDrafter:
     def quantized_self(
         spec: SpecConfig, engine: Engine, target: LoadedCheckpoint
     ) -> DraftModelDrafter:
-        """The target's own weights, quantized (``spec.draft_quantization``), as the draft model.
+        """The target's own weights, quantized (``spec.draft_quantization``, by default
+        :func:`~specdec.models.quant.default_draft_quantization`), as the draft model.
 
         A GGUF target's Q4_1/Q8_0 weights are used as the file holds them; a float target's are
         quantized (see :mod:`specdec.models.quant`). The full-precision target verifies, so the
@@ -99,7 +102,7 @@ class DraftModelDrafter:
             target.state_dict,
             engine.max_model_len,
             batch_invariant=False,
-            quantization=spec.draft_quantization,
+            quantization=spec.draft_quantization or default_draft_quantization(),
             prequantized=prequantized_weights(target),
         )
         model.embed_tokens = engine.runner.model.embed_tokens  # the same rows: share them

@@ -1,4 +1,4 @@
-"""Quantization benchmark: weight-only int8/int4 and the ``quantized_self`` drafter, side by side.
+"""Quantization benchmark: int8/int4 linears and the ``quantized_self`` drafter, side by side.
 
     python -m specdec.eval.bench_quant [--prompts-per-style N] [--max-tokens N] [--quick]
 
@@ -8,7 +8,9 @@ process taking turns prompt by prompt (so drift in the machine's speed hits all 
 * ``float32``, ``bfloat16``: the engine unquantized;
 * ``int8``, ``int4`` (float32 activations) and ``bfloat16+int4``: weight-only quantized linears
   (see :mod:`specdec.models.quant`; ``int4`` runs the GGUF file's own Q4_1 codes);
-* ``bfloat16+quantized_self``: a bfloat16 target verifying drafts of its own int4 copy;
+* ``w8a8``, ``w4a8`` and ``bfloat16+w4a8``: the same weights, activations rounded to int8;
+* ``bfloat16+quantized_self``: a bfloat16 target verifying drafts of its own quantized copy
+  (``w4a8`` by default where the CPU has VNNI; ``int4`` and a fixed k = 4 beside it);
 * ``llama.cpp``: ``llama-cpp-python`` on the same GGUF file, plain decoding, when installed (the
   ``llamacpp`` extra), fed the same token ids.
 
@@ -43,7 +45,14 @@ ENGINES: dict[str, dict[str, Any]] = {
     "int8": {"dtype": "float32", "quantization": "int8"},
     "int4": {"dtype": "float32", "quantization": "int4"},
     "bfloat16+int4": {"dtype": "bfloat16", "quantization": "int4"},
+    "w8a8": {"dtype": "float32", "quantization": "w8a8"},
+    "w4a8": {"dtype": "float32", "quantization": "w4a8"},
+    "bfloat16+w4a8": {"dtype": "bfloat16", "quantization": "w4a8"},
     "bfloat16+quantized_self": {"dtype": "bfloat16", "speculative": {"drafter": "quantized_self"}},
+    "bfloat16+quantized_self int4": {
+        "dtype": "bfloat16",
+        "speculative": {"drafter": "quantized_self", "draft_quantization": "int4"},
+    },
     "bfloat16+quantized_self k=4": {
         "dtype": "bfloat16",
         "speculative": {
@@ -55,8 +64,10 @@ ENGINES: dict[str, dict[str, Any]] = {
 }
 PLAIN_OF = {  # whose plain decoding each must equal
     "bfloat16+quantized_self": "bfloat16",
+    "bfloat16+quantized_self int4": "bfloat16",
     "bfloat16+quantized_self k=4": "bfloat16",
 }
+QUANTIZATIONS = ("int8", "int4", "w8a8", "w4a8")  # whose quality is measured
 SPECULATIVE = [name for name, options in ENGINES.items() if "speculative" in options]
 
 
@@ -106,24 +117,31 @@ def generate(system: Any, prompt: list[int], max_tokens: int) -> list[int]:
 
 def speed(systems: dict[str, Any], prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
     """Seconds and tokens per system, taking turns prompt by prompt; the outputs."""
-    seconds = dict.fromkeys(systems, 0.0)
+    per_prompt: dict[str, list[float]] = {name: [] for name in systems}
     outputs: dict[str, list[list[int]]] = {name: [] for name in systems}
     for i, prompt in enumerate(prompts):
         order = list(systems) if i % 2 == 0 else list(reversed(systems))
         for name in order:
             start = time.perf_counter()
             outputs[name].append(generate(systems[name], prompt, max_tokens))
-            seconds[name] += time.perf_counter() - start
+            per_prompt[name].append(time.perf_counter() - start)
+    seconds = {name: sum(times) for name, times in per_prompt.items()}
     tokens = {name: sum(map(len, out)) for name, out in outputs.items()}
-    return {"seconds": seconds, "tokens": tokens, "outputs": outputs}
+    return {
+        "seconds": seconds,
+        "tokens": tokens,
+        "per_prompt_seconds": per_prompt,
+        "outputs": outputs,
+    }
 
 
 def quality(prompts: list[list[int]], continuations: list[list[int]]) -> dict[str, Any]:
     """Top-1 agreement and mean log-likelihood difference against float32, teacher-forced.
 
     Each quantization is applied to a float32 ``transformers`` copy of the default model (its
-    linears' weights replaced by their quantized values, exactly as the engine holds them), which
-    is run over each prompt and float32's greedy continuation.
+    linears' weights replaced by their quantized values, exactly as the engine holds them, and
+    for ``w*a8`` their inputs rounded to int8 as the kernel rounds them), which is run over each
+    prompt and float32's greedy continuation.
     """
     from transformers import AutoModelForCausalLM
 
@@ -132,7 +150,7 @@ def quality(prompts: list[list[int]], continuations: list[list[int]]) -> dict[st
 
     reference = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32)
     models = {"float32": reference.eval()}
-    for quantization in ("int8", "int4"):
+    for quantization in QUANTIZATIONS:
         copy = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32)
         models[quantization] = dequantized_linears(copy.eval(), quantization)
     logprobs: dict[str, list[torch.Tensor]] = {name: [] for name in models}
@@ -142,7 +160,7 @@ def quality(prompts: list[list[int]], continuations: list[list[int]]) -> dict[st
             logits = model(ids).logits[0, len(prompt) - 1 : -1].float()  # [C, V]
             logprobs[name].append(torch.log_softmax(logits, dim=-1))
     report: dict[str, Any] = {}
-    for name in ("int8", "int4"):
+    for name in QUANTIZATIONS:
         report[name] = {"weight_rel_change": weight_change(reference, models[name])}
         agree = total = 0
         loglik_diff = 0.0
@@ -196,6 +214,23 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {name} | {rate:.1f} | {rate / tps['float32']:.2f}x | {vs_peer} | {exact} |"
         )
     lines.append("")
+    styles = result["styles"]
+    lines += [
+        "",
+        "tokens/s by prompt style (prompt tokens, mean): "
+        + ", ".join(f"{st} {n:.0f}" for st, n in result["prompt_tokens_by_style"].items()),
+        "",
+        "| system | " + " | ".join(result["prompt_tokens_by_style"]) + " |",
+        "|---|" + "---|" * len(result["prompt_tokens_by_style"]),
+    ]
+    for name in tps:
+        cells = []
+        for style in result["prompt_tokens_by_style"]:
+            mine = [i for i, st in enumerate(styles) if st == style]
+            secs = sum(s["per_prompt_seconds"][name][i] for i in mine)
+            cells.append(f"{len(mine) * result['max_tokens'] / secs:.1f}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append("")
     for name, spec in result["speculation"].items():
         lines.append(
             f"{name}: {spec['verify_steps']} verifications, mean accepted length "
@@ -231,6 +266,7 @@ def main() -> None:
     systems, notes = build_systems()
     llm = systems["float32"]
     records = [r for style in STYLES for r in load_prompts(style)[:per_style]]
+    styles = [style for style in STYLES for _ in load_prompts(style)[:per_style]]
     prompts = [llm.apply_chat_template(conversation(r)) for r in records]
     with torch.inference_mode():
         speed(systems, prompts[:1], 8)  # warm every system up
@@ -251,6 +287,12 @@ def main() -> None:
         "max_tokens": max_tokens,
         "threads": torch.get_num_threads(),
         "speed": timed,
+        "styles": styles,
+        "prompt_tokens_by_style": {
+            style: sum(len(p) for p, st in zip(prompts, styles) if st == style)
+            / styles.count(style)
+            for style in dict.fromkeys(styles)
+        },
         "exact": exact,
         "speculation": {name: spec_summary(systems[name]) for name in SPECULATIVE},
         "quality": quality_report,

@@ -232,7 +232,7 @@ def _build(extra_flags: tuple[str, ...] = (), name: str = "specdec_cpu_ops") -> 
     # upgrade or a cache shared between machines never loads a stale or foreign build.
     flags = [*FLAGS, *extra_flags]
     texts = [p.read_text() for p in (*SOURCES, HEADER)]
-    identity = [*texts, *flags, torch.__version__, platform.machine(), _cpu_flags()]
+    identity = [*texts, *flags, torch.__version__, platform.machine(), cpu_flags()]
     key = hashlib.sha256("\n".join(identity).encode()).hexdigest()[:16]
     build_dir = cache_dir() / "extensions" / f"cpu_ops-{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -253,7 +253,8 @@ def _build(extra_flags: tuple[str, ...] = (), name: str = "specdec_cpu_ops") -> 
     )
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The CPU's feature flags, as /proc/cpuinfo lists them (else the processor's name)."""
     try:
         with open("/proc/cpuinfo") as info:
             return next((line for line in info if line.startswith("flags")), "")

@@ -87,6 +87,7 @@ def serve(
     drafter: str,
     draft_model: str | None,
     num_speculative_tokens: int,
+    draft_quantization: str | None,
     host: str,
     port: int,
     api_key: str | None,
@@ -125,7 +126,9 @@ def serve(
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
             kv_cache_memory_gb=kv_cache_memory_gb,
-            speculative=spec_config(drafter, draft_model, num_speculative_tokens),
+            speculative=spec_config(
+                drafter, draft_model, num_speculative_tokens, draft_quantization
+            ),
         )
     except (ValueError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from e

@@ -43,6 +43,7 @@ def generate(
     drafter: str,
     draft_model: str | None,
     num_speculative_tokens: int,
+    draft_quantization: str | None,
     **sampling: Any,
 ) -> None:
     """Generate a completion for each PROMPT, in one continuous batch."""
@@ -50,7 +51,7 @@ def generate(
 
     try:
         params = SamplingParams(**sampling)
-        speculative = spec_config(drafter, draft_model, num_speculative_tokens)
+        speculative = spec_config(drafter, draft_model, num_speculative_tokens, draft_quantization)
         llm = LLM(
             model,
             dtype=dtype,

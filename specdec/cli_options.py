@@ -43,7 +43,13 @@ def speculation_options(fn: Any) -> Any:
         show_default=True,
         type=click.Choice(["none", "prompt_lookup", "draft_model", "quantized_self"]),
         help="Who proposes draft tokens (none: plain decoding; quantized_self: the target's own "
-        "weights in int4).",
+        "weights, quantized).",
+    )(fn)
+    fn = click.option(
+        "--draft-quantization",
+        default=None,
+        type=click.Choice(list(QUANTIZATIONS)),
+        help="quantized_self's weights (default: w4a8 with AVX-512 VNNI, else int4).",
     )(fn)
     fn = click.option(
         "--draft-model", default=None, help="HF directory or GGUF file of the draft model."
@@ -58,10 +64,20 @@ def speculation_options(fn: Any) -> Any:
     return fn
 
 
-def spec_config(drafter: str, draft_model: str | None, num_speculative_tokens: int) -> Any:
+def spec_config(
+    drafter: str,
+    draft_model: str | None,
+    num_speculative_tokens: int,
+    draft_quantization: str | None = None,
+) -> Any:
     """The ``speculative=`` argument of ``LLM`` for the CLI options (None: no speculation)."""
     if drafter == "none":
         return None
     from specdec.drafters import SpecConfig
 
-    return SpecConfig(drafter, num_speculative_tokens, draft_model=draft_model)
+    return SpecConfig(
+        drafter,
+        num_speculative_tokens,
+        draft_model=draft_model,
+        draft_quantization=draft_quantization,
+    )

@@ -66,6 +66,20 @@ def test_serve_binds_loopback_and_takes_the_api_key_from_the_environment(capture
         assert models.json()["data"][0]["id"] == MODEL
 
 
+def test_serve_passes_the_draft_quantization_on(captured_run):
+    from specdec.drafters import SpecConfig
+
+    args = ["--drafter", "quantized_self", "--draft-quantization", "w8a8"]
+    result = CliRunner().invoke(cli.serve, args)
+    assert result.exit_code == 0, result.output
+    expected = SpecConfig("quantized_self", 8, draft_quantization="w8a8")
+    assert captured_run["llm"][1]["speculative"] == expected
+    bad = CliRunner().invoke(
+        cli.serve, ["--drafter", "quantized_self", "--draft-quantization", "q2"]
+    )
+    assert bad.exit_code == 2 and "'q2' is not one of 'int8', 'int4', 'w8a8', 'w4a8'" in bad.output
+
+
 def test_serve_warns_when_open_beyond_loopback(captured_run):
     result = CliRunner().invoke(cli.serve, ["--host", "0.0.0.0"])
     assert result.exit_code == 0 and "with no --api-key" in result.output
