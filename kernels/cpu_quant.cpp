@@ -42,13 +42,10 @@ constexpr int64_t kGroup = 32;     // inputs per quantization group
 constexpr int64_t kFeatures = 16;  // output features per block: one vector of float32 sums
 constexpr int kQuantRows = 8;      // rows per tile: 8 rows x (2 chains + 1 total) = 24 zmm
 constexpr int64_t kQuantRowChunk = 128;
-#ifndef SPECDEC_A8_ROWS
-#define SPECDEC_A8_ROWS 8
-#endif
-#ifndef SPECDEC_PREFETCH_GROUPS
-#define SPECDEC_PREFETCH_GROUPS 16  // 4 KiB of int4 codes ahead: measured best of 0, 4, 8, 16, 32, 64
-#endif
-constexpr int64_t kPrefetchGroups = SPECDEC_PREFETCH_GROUPS;  // how far ahead the int8-activation tile prefetches
+constexpr int kA8Rows = 8;  // rows per int8-activation tile: measured against 4 and 6, best
+// How far ahead (in groups) the int8-activation tile prefetches codes: 4 KiB of int4 codes.
+// Measured side by side on matrices too large for the caches: 0, 4, 8, 16, 32 and 64; 16 best.
+constexpr int64_t kPrefetchGroups = 16;
 
 struct QuantLayout {
   int64_t in, out, bits, blocks, groups;
@@ -359,7 +356,7 @@ struct FloatTile {  // float activations
 
 template <int BITS>
 struct Int8Tile {  // int8 activations
-  static constexpr int kRows = SPECDEC_A8_ROWS;
+  static constexpr int kRows = kA8Rows;
   const Int8Rows& a;
   const uint8_t* codes;
   const c10::Half* scales;

@@ -86,9 +86,8 @@ class PackedQuant:
 
     codes: torch.Tensor  # [blocks * groups * 16 * 32 * bits / 8] uint8
     scales: torch.Tensor  # [blocks * groups * 16] float16
-    extra: (
-        torch.Tensor | None
-    )  # like scales: float16 mins (int4), int16 sums (int8, int8 x), or None
+    # like scales: float16 minimums (int4), int16 sums of codes (int8 under int8 activations)
+    extra: torch.Tensor | None
     bits: int  # 4 or 8
     in_features: int
     out_features: int
