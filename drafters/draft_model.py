@@ -39,85 +39,89 @@ stale, and those positions are simply overwritten by the next catch-up.
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from specdec.drafters.base import SpecConfig
+from specdec.drafters.base import DrafterBase, FinishedStep
 from specdec.drafters.policy import PRIOR_ACCEPTANCE
-from specdec.engine import Engine
 from specdec.loader import LoadedCheckpoint, load_checkpoint, prequantized_weights
 from specdec.models.llama import LlamaForCausalLM
-from specdec.models.quant import default_draft_quantization
+from specdec.models.quant import QUANTIZATIONS, default_draft_quantization
 from specdec.runner import ModelRunner, QueryChunk
 from specdec.sampling import next_tokens
 from specdec.scheduler import Scheduler
 from specdec.sequence import Sequence
 
+if TYPE_CHECKING:
+    from specdec.engine import Engine
 
-class DraftModelDrafter:
+
+@dataclass(slots=True)
+class DraftModelOptions:
+    draft_model: str | os.PathLike | Any | None = None  # a path or an in-memory model
+    draft_tokenizer: Any = None  # tokenizer of an in-memory draft model (checked vs the target)
+
+    def __post_init__(self) -> None:
+        if self.draft_model is None:
+            raise ValueError("drafter 'draft_model' needs draft_model= (a path or a model)")
+
+
+@dataclass(slots=True)
+class QuantizedSelfOptions:
+    draft_quantization: str | None = None  # one of models/quant.py's; None: the fastest here
+
+    def __post_init__(self) -> None:
+        if self.draft_quantization is not None and self.draft_quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"draft_quantization must be one of {', '.join(QUANTIZATIONS)}, got "
+                f"{self.draft_quantization!r}"
+            )
+
+
+class DraftModelDrafter(DrafterBase):
+    name = "draft_model"
+    Options: ClassVar[type[Any]] = DraftModelOptions
+
     def __init__(
         self,
         runner: ModelRunner,
         scheduler: Scheduler,
-        name: str = "draft_model",
         shares_target_kv: bool = False,
     ):
-        self.name = name  # "draft_model", or "quantized_self" for the target's quantized copy
         self.shares_target_kv = shares_target_kv  # reads the target's KV cache (quantized_self)
         # The policy's acceptance before it has measured any: a copy of the target agrees almost
         # always (int4 copies of the default model: over 90% per draft position); another model
         # is not assumed to.
         self.prior_acceptance = 0.9 if shares_target_kv else PRIOR_ACCEPTANCE
         self.runner = runner
+        self.draft_forward = runner.dummy_forward
         self.scheduler = scheduler
         self.fed: dict[int, list[int]] = {}  # seq_id -> tokens whose draft KV is cached, in order
 
-    @staticmethod
-    def build(spec: SpecConfig, engine: Engine, target_config: Any) -> DraftModelDrafter:
+    @classmethod
+    def build(cls, options: Any, engine: Engine, target: Any) -> DraftModelDrafter:
         """Load the draft model, check its vocabulary, give it KV tensors on the shared blocks."""
         dtype = engine.runner.k_caches[0].dtype
-        tokenizer = spec.draft_tokenizer or engine.tokenizer
-        checkpoint = load_checkpoint(spec.draft_model, tokenizer, dtype)
+        tokenizer = options.draft_tokenizer or engine.tokenizer
+        checkpoint = load_checkpoint(options.draft_model, tokenizer, dtype)
+        target_config = engine.runner.model.config
         _check_vocabulary(checkpoint.config, checkpoint.tokenizer, target_config, engine.tokenizer)
         # Drafts need not be batch-invariant: only the target's logits decide what is kept.
         model = LlamaForCausalLM.from_hf(
             checkpoint.config, checkpoint.state_dict, engine.max_model_len, batch_invariant=False
         )
-        return DraftModelDrafter.on_shared_blocks(model, engine)
+        return cls.on_shared_blocks(model, engine)
 
-    @staticmethod
-    def quantized_self(
-        spec: SpecConfig, engine: Engine, target: LoadedCheckpoint
-    ) -> DraftModelDrafter:
-        """The target's own weights, quantized (``spec.draft_quantization``, by default
-        :func:`~specdec.models.quant.default_draft_quantization`), as the draft model.
-
-        A GGUF target's Q4_1/Q8_0 weights are used as the file holds them; a float target's are
-        quantized (see :mod:`specdec.models.quant`). The full-precision target verifies, so the
-        output stays the target's own.
-        """
-        model = LlamaForCausalLM.from_hf(
-            target.config,
-            target.state_dict,
-            engine.max_model_len,
-            batch_invariant=False,
-            quantization=spec.draft_quantization or default_draft_quantization(),
-            prequantized=prequantized_weights(target),
-        )
-        model.embed_tokens = engine.runner.model.embed_tokens  # the same rows: share them
-        target_caches = (engine.runner.k_caches, engine.runner.v_caches)
-        dtype, blocks = engine.runner.k_caches[0].dtype, engine.scheduler.block_manager
-        runner = ModelRunner(model, blocks.num_blocks, blocks.block_size, dtype, target_caches)
-        return DraftModelDrafter(runner, engine.scheduler, "quantized_self", shares_target_kv=True)
-
-    @staticmethod
-    def on_shared_blocks(model: LlamaForCausalLM, engine: Engine) -> DraftModelDrafter:
+    @classmethod
+    def on_shared_blocks(cls, model: LlamaForCausalLM, engine: Engine) -> DraftModelDrafter:
         """A drafter running ``model`` on KV tensors of its own, indexed by the engine's blocks."""
         dtype = engine.runner.k_caches[0].dtype
         block_manager = engine.scheduler.block_manager
         runner = ModelRunner(model, block_manager.num_blocks, block_manager.block_size, dtype)
-        return DraftModelDrafter(runner, engine.scheduler)
+        return cls(runner, engine.scheduler)
 
     def draft_class(self, seq: Sequence) -> int:
         return 1  # the draft model always has a guess, of one kind
@@ -131,7 +135,9 @@ class DraftModelDrafter:
             return 1  # the target's cache holds every earlier token
         return 1 if seq.seq_id not in self.fed else seq.num_tokens - self._valid_prefix(seq)
 
-    def propose(self, seqs: list[Sequence], num_drafts: list[int]) -> None:
+    def propose(
+        self, seqs: list[Sequence], num_drafts: list[int], step: FinishedStep | None = None
+    ) -> None:
         active, ks = [], []
         for seq, k in zip(seqs, num_drafts):
             seq.spec_token_ids = []
@@ -151,7 +157,7 @@ class DraftModelDrafter:
         chunks = [self._catch_up(seq) for seq in seqs]
         live = list(range(len(seqs)))  # sequences still drafting
         for j in range(max(ks)):
-            logits, _ = self.runner.forward([chunks[i] for i in live])  # [len(live), V]
+            logits = self.runner.forward([chunks[i] for i in live])[0]  # [len(live), V]
             drafting = [seqs[i] for i in live]
             keys = [(seq.seed, seq.num_tokens + j) for seq in drafting]  # the drafted positions
             tokens = next_tokens(logits, [seq.params for seq in drafting], keys)
@@ -185,6 +191,36 @@ class DraftModelDrafter:
 
     def forget(self, seq: Sequence) -> None:
         self.fed.pop(seq.seq_id, None)
+
+
+class QuantizedSelfDrafter(DraftModelDrafter):
+    """The target's own weights, quantized, as the draft model, on the target's KV cache."""
+
+    name = "quantized_self"
+    Options = QuantizedSelfOptions
+
+    @classmethod
+    def build(cls, options: Any, engine: Engine, target: LoadedCheckpoint) -> DraftModelDrafter:
+        """The target's own weights, quantized (``options.draft_quantization``, by default
+        :func:`~specdec.models.quant.default_draft_quantization`), as the draft model.
+
+        A GGUF target's Q4_1/Q8_0 weights are used as the file holds them; a float target's are
+        quantized (see :mod:`specdec.models.quant`). The full-precision target verifies, so the
+        output stays the target's own.
+        """
+        model = LlamaForCausalLM.from_hf(
+            target.config,
+            target.state_dict,
+            engine.max_model_len,
+            batch_invariant=False,
+            quantization=options.draft_quantization or default_draft_quantization(),
+            prequantized=prequantized_weights(target),
+        )
+        model.embed_tokens = engine.runner.model.embed_tokens  # the same rows: share them
+        target_caches = (engine.runner.k_caches, engine.runner.v_caches)
+        dtype, blocks = engine.runner.k_caches[0].dtype, engine.scheduler.block_manager
+        runner = ModelRunner(model, blocks.num_blocks, blocks.block_size, dtype, target_caches)
+        return cls(runner, engine.scheduler, shares_target_kv=True)
 
 
 def _check_vocabulary(

@@ -148,14 +148,16 @@ class AdaptivePolicy:
         cost: StepCostModel | None,
         draft_cost: StepCostModel | None = None,
         prior_acceptance: float = PRIOR_ACCEPTANCE,
+        drafts_in_one_pass: bool = False,
     ):
         self.max_drafts = max_drafts
         self.prior_acceptance = prior_acceptance  # the drafter's acceptance before any is measured
         self.cost = cost  # None: fixed k (every eligible sequence gets max_drafts)
         self.draft_cost = draft_cost  # time of one drafter forward over N sequences, if any
+        self.drafts_in_one_pass = drafts_in_one_pass  # one forward drafts every depth (Medusa)
         self.acceptance: dict[int, dict[int, float]] = {}  # seq_id -> class -> moving average
         self.class_acceptance: dict[int, float] = {}  # class -> moving average over sequences
-        self.seen: dict[int, tuple[int, int]] = {}  # seq_id -> (draft, accepted) counters used
+        self.tested: dict[int, int] = {}  # seq_id -> class it verified drafts of, last step
         self.last_class: dict[int, int] = {}  # seq_id -> class of its latest drafts
 
     def num_drafts(
@@ -178,11 +180,11 @@ class AdaptivePolicy:
         if self.cost is None:
             ks = limits
         else:
-            tested = {seq.seq_id: self._fold(seq) for seq in seqs}
+            tested, self.tested = self.tested, {}
             for c in self.class_acceptance.keys() - set(tested.values()):
                 drift = CLASS_RECOVERY * (self.prior_acceptance - self.class_acceptance[c])
                 self.class_acceptance[c] += drift
-            rates = [self._rate(s, c, tested[s.seq_id] == c) for s, c in zip(seqs, classes)]
+            rates = [self._rate(s, c, tested.get(s.seq_id) == c) for s, c in zip(seqs, classes)]
             pending = sum(backlog(s) for s, k in zip(seqs, limits) if k) if backlog else 0
             ks = self._allocate(rates, limits, pending)
         for seq, k, c in zip(seqs, ks, classes):
@@ -219,11 +221,13 @@ class AdaptivePolicy:
         assert self.cost is not None
         drafting = 0.0
         if self.draft_cost is not None and depth:
-            drafting = self.draft_cost(max(batch, pending)) + (depth - 1) * self.draft_cost(batch)
+            drafting = self.draft_cost(max(batch, pending))
+            if not self.drafts_in_one_pass:
+                drafting += (depth - 1) * self.draft_cost(batch)
         return self.cost(batch * (depth + 1)) + drafting
 
     def forget(self, seq: Sequence) -> None:
-        for table in (self.acceptance, self.seen, self.last_class):
+        for table in (self.acceptance, self.tested, self.last_class):
             table.pop(seq.seq_id, None)
 
     def _limit(self, seq: Sequence, max_model_len: int) -> int:
@@ -234,22 +238,24 @@ class AdaptivePolicy:
         cap = seq.params.num_speculative_tokens
         return max(0, min(self.max_drafts if cap is None else min(cap, self.max_drafts), room - 1))
 
-    def _fold(self, seq: Sequence) -> int | None:
-        """Fold the drafts ``seq`` verified since the last call into the averages of the class
-        they were drafted in; return that class (None if it verified none)."""
-        drafted, accepted = seq.metrics.num_draft_tokens, seq.metrics.num_accepted_tokens
-        last_drafted, last_accepted = self.seen.get(seq.seq_id, (0, 0))
-        self.seen[seq.seq_id] = (drafted, accepted)
-        if drafted <= last_drafted:
-            return None
-        tested = self.last_class.get(seq.seq_id, 1)
-        passed = accepted - last_accepted
-        rate = passed / (passed + (1 if passed < drafted - last_drafted else 0))
-        shared = self.class_acceptance.get(tested, self.prior_acceptance)
-        own = self.acceptance.setdefault(seq.seq_id, {})
-        own[tested] = (1 - EMA_WEIGHT) * own.get(tested, shared) + EMA_WEIGHT * rate
-        self.class_acceptance[tested] = (1 - CLASS_EMA_WEIGHT) * shared + CLASS_EMA_WEIGHT * rate
-        return tested
+    def observe_verification(
+        self, seqs: list[Sequence], num_drafts: list[int], num_accepted: list[int]
+    ) -> None:
+        """Fold a step's verification (``seqs[i]`` accepted ``num_accepted[i]`` of its
+        ``num_drafts[i]`` drafts, as the verifier counted) into the averages of the class each
+        sequence drafted in."""
+        for seq, drafted, passed in zip(seqs, num_drafts, num_accepted):
+            if not drafted:
+                continue
+            tested = self.last_class.get(seq.seq_id, 1)
+            self.tested[seq.seq_id] = tested
+            rate = passed / (passed + (1 if passed < drafted else 0))
+            shared = self.class_acceptance.get(tested, self.prior_acceptance)
+            own = self.acceptance.setdefault(seq.seq_id, {})
+            own[tested] = (1 - EMA_WEIGHT) * own.get(tested, shared) + EMA_WEIGHT * rate
+            self.class_acceptance[tested] = (
+                1 - CLASS_EMA_WEIGHT
+            ) * shared + CLASS_EMA_WEIGHT * rate
 
     def _rate(self, seq: Sequence, draft_class: int, just_tested: bool) -> float:
         """The sequence's acceptance average for ``draft_class`` (its class's, if it has none);

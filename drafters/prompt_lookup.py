@@ -16,13 +16,35 @@ takes about 3 us; with ``sliding_window_view`` over every n it took about 100 us
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 
+from specdec.drafters.base import DrafterBase, FinishedStep
 from specdec.sequence import Sequence
 
 
-class PromptLookupDrafter:
+@dataclass(slots=True)
+class PromptLookupOptions:
+    prompt_lookup_min: int = 1  # shortest suffix n-gram matched
+    prompt_lookup_max: int = 4  # longest suffix n-gram matched
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
+
+
+class PromptLookupDrafter(DrafterBase):
     name = "prompt_lookup"
+    Options = PromptLookupOptions
+
+    @classmethod
+    def build(cls, options: Any, engine: Any, target: Any) -> PromptLookupDrafter:
+        return cls(options.prompt_lookup_min, options.prompt_lookup_max)
 
     def __init__(self, min_n: int = 1, max_n: int = 4):
         self.min_n, self.max_n = min_n, max_n
@@ -39,10 +61,9 @@ class PromptLookupDrafter:
         """
         return self._match(seq)[0]
 
-    def catch_up_tokens(self, seq: Sequence) -> int:
-        return 0  # no model of its own
-
-    def propose(self, seqs: list[Sequence], num_drafts: list[int]) -> None:
+    def propose(
+        self, seqs: list[Sequence], num_drafts: list[int], step: FinishedStep | None = None
+    ) -> None:
         for seq, k in zip(seqs, num_drafts):
             seq.spec_token_ids = continuation(seq.token_ids, self._match(seq), k) if k else []
         self._matches.clear()

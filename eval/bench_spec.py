@@ -32,6 +32,7 @@ import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 from specdec import LLM, SamplingParams, SpecConfig
+from specdec.drafters.heads import default_heads
 from specdec.drafters.prompt_lookup import lookup
 from specdec.eval.prompts import STYLES, conversation, load_prompts
 from specdec.kernels import cpu_ops
@@ -40,7 +41,14 @@ RESULTS = Path("eval/results")
 WARM_UP_PROMPT = [*range(1000, 1032)] * 2  # repeats itself, so prompt lookup drafts and verifies
 
 
-def build_systems(dtype: str, draft_model: str | None) -> dict[str, Any]:
+def build_systems(
+    dtype: str,
+    draft_model: str | None,
+    heads: dict[str, str | None] | None = None,
+    with_hf: bool = True,
+) -> dict[str, Any]:
+    """The systems to compare; ``heads``: a heads directory per kind (``eagle``, ``medusa``),
+    None for the shipped default, where there is one."""
     from transformers import AutoModelForCausalLM
 
     from specdec.loader import default_model_dir
@@ -59,8 +67,15 @@ def build_systems(dtype: str, draft_model: str | None) -> dict[str, Any]:
                 "num_speculative_tokens": 4,
             },
         )
-    hf = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=systems["specdec"].dtype)
-    systems["hf"] = hf.eval()
+    for kind, directory in (heads or {}).items():
+        systems[f"specdec+{kind}"] = LLM(
+            **options, speculative=SpecConfig(kind, 8, heads=directory)
+        )
+    if with_hf:
+        hf = AutoModelForCausalLM.from_pretrained(
+            default_model_dir(), dtype=systems["specdec"].dtype
+        )
+        systems["hf"] = hf.eval()
     return systems
 
 
@@ -92,7 +107,7 @@ def lookup_ceiling(prompt: list[int], output: list[int], spec: SpecConfig) -> tu
     these settings, however it chooses its match and ``k``, gets more tokens per target step:
     prompt lookup cannot speed decoding up by more than ``tokens / steps`` on this text.
     """
-    k, n = spec.num_speculative_tokens, spec.prompt_lookup_min
+    k, n = spec.num_speculative_tokens, spec.options.prompt_lookup_min
     tokens = np.asarray(prompt + output, dtype=np.int64)
     pos, steps = len(prompt), 0
     j = np.arange(k)
@@ -143,7 +158,7 @@ def single_stream(
 ) -> dict[str, Any]:
     chat = systems["specdec"]
     prompts = [chat.apply_chat_template(conversation(r)) for r in records]
-    names = [*systems, "hf+prompt_lookup"]
+    names = [*systems, *(["hf+prompt_lookup"] if "hf" in systems else [])]
     before = {n: _counters(systems[n]) for n in names if n.startswith("specdec+")}
     seconds = dict.fromkeys(names, 0.0)
     tokens = dict.fromkeys(names, 0)
@@ -176,16 +191,30 @@ def single_stream(
     base = row["specdec_tok_s"]
     for n in names:
         row[f"{n}_vs_specdec"] = row[f"{n}_tok_s"] / base
-    for n, (drafts, accepted, steps) in before.items():
-        d1, a1, s1 = _counters(systems[n])
+    for n, (drafts, accepted, steps, per_drafted, per_accepted) in before.items():
+        d1, a1, s1, pd1, pa1 = _counters(systems[n])
         row[f"{n}_mean_accepted_length"] = (a1 - accepted + s1 - steps) / max(1, s1 - steps)
         row[f"{n}_acceptance_rate"] = (a1 - accepted) / max(1, d1 - drafts)
+        row[f"{n}_acceptance_per_position"] = [
+            round(
+                (a - (per_accepted[j] if j < len(per_accepted) else 0))
+                / max(1, d - (per_drafted[j] if j < len(per_drafted) else 0)),
+                3,
+            )
+            for j, (d, a) in enumerate(zip(pd1, pa1))
+        ]
     return row
 
 
-def _counters(llm: LLM) -> tuple[int, int, int]:
+def _counters(llm: LLM) -> tuple[int, int, int, list[int], list[int]]:
     s = llm.engine.verifier.stats
-    return s.num_draft_tokens, s.num_accepted_tokens, s.num_verify_steps
+    return (
+        s.num_draft_tokens,
+        s.num_accepted_tokens,
+        s.num_verify_steps,
+        list(s.drafted_per_position),
+        list(s.accepted_per_position),
+    )
 
 
 def concurrent(systems: dict[str, Any], quick: bool) -> dict[str, float]:
@@ -195,31 +224,34 @@ def concurrent(systems: dict[str, Any], quick: bool) -> dict[str, float]:
     params = [
         SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in records
     ]
-    names = ("specdec", "specdec+prompt_lookup")
+    names = [n for n in systems if n == "specdec" or n.startswith("specdec+")]
+    names = [n for n in names if n != "specdec+draft_model"]  # not built for batches
     times = dict.fromkeys(names, 0.0)
     for name in names:
         systems[name].generate(prompts[:2], params[:2])  # warm up
     outputs: dict[str, list[list[int]]] = {}
-    for name in (*names, *reversed(names)):  # A B B A: drift in machine load hits both alike
+    for name in (*names, *reversed(names)):  # A B C C B A: drift in machine load hits all alike
         start = time.perf_counter()
         done = systems[name].generate(prompts, params)
         times[name] += time.perf_counter() - start
         outputs.setdefault(name, [o.token_ids for o in done])
     useful = sum(p.max_tokens for p in params)
-    return {
-        "num_requests": len(prompts),
-        "specdec_tok_s": 2 * useful / times["specdec"],
-        "prompt_lookup_tok_s": 2 * useful / times["specdec+prompt_lookup"],
-        "prompt_lookup_vs_specdec": times["specdec"] / times["specdec+prompt_lookup"],
-        "identical_outputs": sum(
-            a == b for a, b in zip(outputs["specdec"], outputs["specdec+prompt_lookup"])
-        ),
-    }
+    result: dict[str, Any] = {"num_requests": len(prompts)}
+    result["specdec_tok_s"] = 2 * useful / times["specdec"]
+    for name in names[1:]:
+        drafter = name.removeprefix("specdec+")
+        result[f"{drafter}_tok_s"] = 2 * useful / times[name]
+        result[f"{drafter}_vs_specdec"] = times["specdec"] / times[name]
+        result[f"{drafter}_identical_outputs"] = sum(
+            a == b for a, b in zip(outputs["specdec"], outputs[name])
+        )
+    return result
 
 
 def markdown(result: dict[str, Any]) -> str:
     rows = result["single_stream"]
-    names = [k.removesuffix("_tok_s") for k in rows[STYLES[0]] if k.endswith("_tok_s")]
+    first = next(iter(rows.values()))
+    names = [k.removesuffix("_tok_s") for k in first if k.endswith("_tok_s")]
     lines = [
         "| style | "
         + " | ".join(names)
@@ -251,24 +283,43 @@ def markdown(result: dict[str, Any]) -> str:
         / sum(r[f"{n}_seconds"] for r in rows.values())
         for n in names
     }
+    versus_hf = (
+        f" and {overall['specdec+prompt_lookup'] / overall['hf+prompt_lookup']:.2f}x "
+        "transformers' prompt lookup"
+        if "hf+prompt_lookup" in overall
+        else ""
+    )
+    together = ", ".join(
+        f"{n.removeprefix('specdec+')} {overall[n] / overall['specdec']:.2f}x"
+        for n in overall
+        if n.startswith("specdec+")
+    )
     lines.append(
-        "\nAll styles together: prompt lookup "
-        f"{overall['specdec+prompt_lookup'] / overall['specdec']:.2f}x the engine without "
-        f"speculation and {overall['specdec+prompt_lookup'] / overall['hf+prompt_lookup']:.2f}x "
-        "transformers' prompt lookup. Lookup ceiling: tokens per target step of an oracle "
+        f"\nAll styles together, against the engine without speculation: {together}"
+        f"{versus_hf}. Lookup ceiling: tokens per target step of an oracle "
         "that drafts, at every step, the best continuation of any earlier occurrence of the "
         "last prompt_lookup_min tokens (see lookup_ceiling): no prompt lookup can beat that "
         "speedup on these outputs. 3-gram reference: tokens per step of a greedy-verified "
         "3-gram lookup drafting 8 tokens wherever it matches (see reference_lookup), a measure "
         "of how much the outputs copy from their prompts."
     )
+    for style, row in rows.items():
+        for n in names:
+            if f"{n}_acceptance_per_position" in row:
+                per = " ".join(f"{a:.2f}" for a in row[f"{n}_acceptance_per_position"])
+                lines.append(
+                    f"\n{style}, {n.removeprefix('specdec+')}: acceptance per position {per}"
+                )
     c = result["concurrent"]
-    lines.append(
-        f"\n{c['num_requests']} concurrent requests: prompt lookup "
-        f"{c['prompt_lookup_tok_s']:.1f} tok/s vs {c['specdec_tok_s']:.1f} without "
-        f"({c['prompt_lookup_vs_specdec']:.2f}x); outputs identical to plain: "
-        f"{c['identical_outputs']}/{c['num_requests']}."
-    )
+    for key in c:
+        if key.endswith("_vs_specdec"):
+            drafter = key.removesuffix("_vs_specdec")
+            lines.append(
+                f"\n{c['num_requests']} concurrent requests: {drafter} "
+                f"{c[f'{drafter}_tok_s']:.1f} tok/s vs {c['specdec_tok_s']:.1f} without "
+                f"({c[key]:.2f}x); outputs identical to plain: "
+                f"{c[f'{drafter}_identical_outputs']}/{c['num_requests']}."
+            )
     n = result["prompts_per_style"]
     prompts = f"the first {n} prompts" if n else "all prompts"
     kernels = "" if result["cpu_kernels"] else ", WITHOUT the fused CPU kernels (torch fallback)"
@@ -290,6 +341,15 @@ def main() -> None:
         help="the first N prompts of each style (default 5, 2 with --quick; 0: all)",
     )
     parser.add_argument("--quick", action="store_true", help="2 prompts per style, short outputs")
+    for kind in ("eagle", "medusa"):
+        parser.add_argument(
+            f"--{kind}-heads",
+            default=None,
+            metavar="DIR",
+            help=f"{kind} heads to compare (default: the shipped ones, if any; 'none': skip)",
+        )
+    parser.add_argument("--styles", default=",".join(STYLES), help="comma-separated styles")
+    parser.add_argument("--no-hf", action="store_true", help="skip the transformers systems")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     per_style = args.prompts_per_style
@@ -303,12 +363,17 @@ def main() -> None:
         "cpu_kernels": cpu_ops.extension() is not None,  # built (or loaded) here, untimed
         "single_stream": {},
     }
-    systems = build_systems(args.dtype, args.draft_model)
+    heads = {}
+    for kind in ("eagle", "medusa"):
+        given = getattr(args, f"{kind}_heads")
+        if given != "none" and (given or (default_heads(kind) / "config.json").is_file()):
+            heads[kind] = given
+    systems = build_systems(args.dtype, args.draft_model, heads, with_hf=not args.no_hf)
     with torch.inference_mode():
-        for name in [*systems, "hf+prompt_lookup"]:  # warm up every system
+        for name in [*systems, *(["hf+prompt_lookup"] if "hf" in systems else [])]:  # warm up
             system = systems["hf" if name.startswith("hf") else name]
             run_once(name, system, WARM_UP_PROMPT, 8)
-        for style in STYLES:
+        for style in args.styles.split(","):
             print(f"[{args.dtype}] {style} ...", flush=True)
             records = load_prompts(style)[: per_style or None]
             result["single_stream"][style] = single_stream(systems, records, args.quick)

@@ -75,7 +75,7 @@ class ServerState:
 def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     """An OpenAI-compatible app serving ``llm`` (which it owns from startup to shutdown)."""
     config = config or ServerConfig()
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(lambda: llm.engine.verifier.stats)
     state = ServerState(
         llm=llm,
         config=config,

@@ -88,6 +88,7 @@ def serve(
     draft_model: str | None,
     num_speculative_tokens: int,
     draft_quantization: str | None,
+    heads: str | None,
     host: str,
     port: int,
     api_key: str | None,
@@ -127,7 +128,11 @@ def serve(
             max_model_len=max_model_len,
             kv_cache_memory_gb=kv_cache_memory_gb,
             speculative=spec_config(
-                drafter, draft_model, num_speculative_tokens, draft_quantization
+                drafter,
+                num_speculative_tokens,
+                draft_model=draft_model,
+                draft_quantization=draft_quantization,
+                heads=heads,
             ),
         )
     except (ValueError, FileNotFoundError) as e:

@@ -17,12 +17,16 @@ Terms:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specdec.engine import Engine
 from specdec.outputs import RequestOutput
+from specdec.verifier import SpecStats
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5.0, 10.0, 20.0, 40.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)
@@ -32,7 +36,9 @@ E2E_BUCKETS = (0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0
 class ServerMetrics:
     """Counters, gauges and histograms of one server, in their own ``CollectorRegistry``."""
 
-    def __init__(self) -> None:
+    def __init__(self, spec_stats: Callable[[], SpecStats | None] = lambda: None) -> None:
+        """``spec_stats`` gives the engine's speculation counters (drafts verified and accepted),
+        read at each scrape: acceptance is counted once, by the verifier, not again here."""
         r = self.registry = CollectorRegistry()
         self.http_requests = Counter(
             "specdec_http_requests",
@@ -78,19 +84,7 @@ class ServerMetrics:
         )
         self.kv_blocks_used = Gauge("specdec_kv_blocks_used", "KV blocks in use", registry=r)
         self.kv_blocks_total = Gauge("specdec_kv_blocks_total", "KV blocks in the pool", registry=r)
-        self.drafts = Counter("specdec_spec_decode_num_drafts", "Drafts verified", registry=r)
-        self.draft_tokens = Counter(
-            "specdec_spec_decode_num_draft_tokens", "Draft tokens verified", registry=r
-        )
-        self.accepted_tokens = Counter(
-            "specdec_spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r
-        )
-        self.accepted_per_position = Counter(
-            "specdec_spec_decode_num_accepted_tokens_per_pos",
-            "Draft tokens accepted, by position in their draft",
-            ["position"],
-            registry=r,
-        )
+        r.register(SpeculationCollector(spec_stats))
 
     def observe_engine(self, engine: Engine) -> None:
         """Record the engine's queue lengths and KV use (called by the engine thread)."""
@@ -103,17 +97,46 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-class SequenceTracker:
-    """Turns the deltas of one sequence into latency, token and acceptance metrics."""
+class SpeculationCollector(Collector):
+    """The verifier's counters as Prometheus counters, read when ``/metrics`` is scraped."""
 
-    __slots__ = ("metrics", "arrival_time", "last_time", "num_draft_tokens", "num_accepted_tokens")
+    def __init__(self, spec_stats: Callable[[], SpecStats | None]):
+        self.spec_stats = spec_stats
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        stats = self.spec_stats() or SpecStats()
+        yield CounterMetricFamily(
+            "specdec_spec_decode_num_drafts", "Drafts verified", value=stats.num_verify_steps
+        )
+        yield CounterMetricFamily(
+            "specdec_spec_decode_num_draft_tokens",
+            "Draft tokens verified",
+            value=stats.num_draft_tokens,
+        )
+        yield CounterMetricFamily(
+            "specdec_spec_decode_num_accepted_tokens",
+            "Draft tokens accepted",
+            value=stats.num_accepted_tokens,
+        )
+        per_position = CounterMetricFamily(
+            "specdec_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in their draft",
+            labels=["position"],
+        )
+        for position, accepted in enumerate(list(stats.accepted_per_position)):
+            per_position.add_metric([str(position)], accepted)
+        yield per_position
+
+
+class SequenceTracker:
+    """Turns the deltas of one sequence into latency and token metrics."""
+
+    __slots__ = ("metrics", "arrival_time", "last_time")
 
     def __init__(self, metrics: ServerMetrics, arrival_time: float):
         self.metrics = metrics
         self.arrival_time = arrival_time  # time.perf_counter() when the HTTP request arrived
         self.last_time: float | None = None  # when the previous tokens arrived
-        self.num_draft_tokens = 0  # the sequence's counters at the previous delta
-        self.num_accepted_tokens = 0
 
     def observe(self, delta: RequestOutput) -> None:
         m, now, num_tokens = self.metrics, time.perf_counter(), len(delta.token_ids)
@@ -125,23 +148,9 @@ class SequenceTracker:
                 for _ in range(num_tokens):
                     m.itl.observe((now - self.last_time) / num_tokens)
             self.last_time = now
-        self._observe_drafts(delta)
         if delta.finished:
             m.e2e.observe(now - self.arrival_time)
             m.finished.labels(delta.finish_reason or "unknown").inc()
-
-    def _observe_drafts(self, delta: RequestOutput) -> None:
-        """Count this step's draft; its accepted tokens are a prefix of it, positions 0..a-1."""
-        drafted = delta.metrics.num_draft_tokens - self.num_draft_tokens
-        accepted = delta.metrics.num_accepted_tokens - self.num_accepted_tokens
-        self.num_draft_tokens += drafted
-        self.num_accepted_tokens += accepted
-        if drafted > 0:
-            self.metrics.drafts.inc()
-            self.metrics.draft_tokens.inc(drafted)
-            self.metrics.accepted_tokens.inc(accepted)
-            for position in range(accepted):
-                self.metrics.accepted_per_position.labels(str(position)).inc()
 
 
 class RequestCountMiddleware:

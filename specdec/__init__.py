@@ -1,7 +1,7 @@
 """specdec: exact speculative decoding on a paged-KV, continuously batched runtime."""
 
 from specdec.config import EngineConfig, SamplingParams
-from specdec.drafters.base import SpecConfig
+from specdec.drafters.registry import SpecConfig
 from specdec.llm import LLM
 from specdec.outputs import RequestOutput
 

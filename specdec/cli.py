@@ -44,6 +44,7 @@ def generate(
     draft_model: str | None,
     num_speculative_tokens: int,
     draft_quantization: str | None,
+    heads: str | None,
     **sampling: Any,
 ) -> None:
     """Generate a completion for each PROMPT, in one continuous batch."""
@@ -51,7 +52,13 @@ def generate(
 
     try:
         params = SamplingParams(**sampling)
-        speculative = spec_config(drafter, draft_model, num_speculative_tokens, draft_quantization)
+        speculative = spec_config(
+            drafter,
+            num_speculative_tokens,
+            draft_model=draft_model,
+            draft_quantization=draft_quantization,
+            heads=heads,
+        )
         llm = LLM(
             model,
             dtype=dtype,
@@ -88,6 +95,49 @@ def spec_summary(llm: Any) -> str:
         f"{s.num_accepted_tokens} accepted (acceptance rate {s.acceptance_rate:.2f}, "
         f"mean accepted length {s.mean_accepted_length:.2f}); per position: {positions}"
     )
+
+
+@main.command("train-heads")
+@click.option("--kind", required=True, type=click.Choice(["eagle", "medusa"]))
+@click.option(
+    "--out", required=True, help="Directory for the heads (and checkpoints, corpus, log)."
+)
+@click.option("--model", default=None, help="The target (default: the embedded SmolLM2-135M).")
+@click.option("--data", default=None, help="Training prompts, JSONL (default: ours).")
+@click.option(
+    "--dtype",
+    default="float32",
+    show_default=True,
+    type=click.Choice(["float32", "bfloat16"]),
+    help="The target's dtype while it writes the corpus and the features.",
+)
+@click.option("--max-steps", default=1500, show_default=True, type=int)
+@click.option(
+    "--max-train-tokens",
+    default=200_000,
+    show_default=True,
+    type=int,
+    help="Corpus size: prompt + response tokens the target writes.",
+)
+@click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option("--batch-tokens", default=4096, show_default=True, type=int)
+@click.option("--lr", default=1e-3, show_default=True, type=float)
+@click.option("--draft-vocab-size", default=8192, show_default=True, type=int)
+@click.option("--num-heads", default=4, show_default=True, type=int, help="medusa's heads.")
+@click.option("--save-every", default=250, show_default=True, type=int)
+def train_heads(data: str | None, **options: Any) -> None:
+    """Train EAGLE or Medusa heads for a target, on its own answers to our training prompts;
+    a rerun with the same --out resumes from the latest checkpoint."""
+    from specdec.drafters.train_heads import TrainConfig, train
+
+    try:
+        if data:
+            options["data"] = data
+        config = TrainConfig(**options)
+        out = train(config)
+    except (ValueError, FileNotFoundError) as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(f"{config.kind} heads written to {out}")
 
 
 main.add_command(serve)

@@ -6,6 +6,7 @@ from typing import Any
 
 import click
 
+from specdec.drafters.registry import DRAFTERS, SpecConfig
 from specdec.models.quant import QUANTIZATIONS
 
 
@@ -41,9 +42,9 @@ def speculation_options(fn: Any) -> Any:
         "--drafter",
         default="none",
         show_default=True,
-        type=click.Choice(["none", "prompt_lookup", "draft_model", "quantized_self"]),
+        type=click.Choice(["none", *DRAFTERS]),
         help="Who proposes draft tokens (none: plain decoding; quantized_self: the target's own "
-        "weights, quantized).",
+        "weights, quantized; eagle/medusa: trained heads on the target's hidden states).",
     )(fn)
     fn = click.option(
         "--draft-quantization",
@@ -55,6 +56,12 @@ def speculation_options(fn: Any) -> Any:
         "--draft-model", default=None, help="HF directory or GGUF file of the draft model."
     )(fn)
     fn = click.option(
+        "--heads",
+        default=None,
+        help="eagle/medusa: a directory of heads from `specdec train-heads` (default: the "
+        "heads shipped for the default model).",
+    )(fn)
+    fn = click.option(
         "--num-speculative-tokens",
         default=8,
         show_default=True,
@@ -64,20 +71,13 @@ def speculation_options(fn: Any) -> Any:
     return fn
 
 
-def spec_config(
-    drafter: str,
-    draft_model: str | None,
-    num_speculative_tokens: int,
-    draft_quantization: str | None = None,
-) -> Any:
-    """The ``speculative=`` argument of ``LLM`` for the CLI options (None: no speculation)."""
+def spec_config(drafter: str, num_speculative_tokens: int, **options: Any) -> SpecConfig | None:
+    """The ``speculative=`` argument of ``LLM`` for the CLI options (None: no speculation);
+    ``options`` are the drafter options given on the command line (None: not given)."""
     if drafter == "none":
         return None
-    from specdec.drafters import SpecConfig
-
-    return SpecConfig(
-        drafter,
-        num_speculative_tokens,
-        draft_model=draft_model,
-        draft_quantization=draft_quantization,
-    )
+    given = {name: value for name, value in options.items() if value is not None}
+    try:
+        return SpecConfig(drafter, num_speculative_tokens, **given)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None

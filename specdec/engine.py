@@ -1,7 +1,7 @@
 """The engine: requests in, a step loop, tokens out.
 
 ``Engine.step`` is the whole decoding loop (see the README's Architecture section): schedule,
-one forward, verify, update. Everything a request owns lives on its :class:`Sequence`; the KV
+one forward, verify, update, draft. Everything a request owns lives on its :class:`Sequence`; the KV
 memory is the runner's; the block ids are the scheduler's block manager's.
 """
 
@@ -14,12 +14,14 @@ import torch
 
 from specdec.config import EngineConfig, SamplingParams
 from specdec.detokenizer import Detokenizer
-from specdec.drafters.base import Drafter
+from specdec.drafters.base import Drafter, FinishedStep
 from specdec.drafters.policy import AdaptivePolicy
+from specdec.drafters.registry import SpecConfig, build_speculation
+from specdec.loader import LoadedCheckpoint
 from specdec.models.llama import LlamaForCausalLM
 from specdec.outputs import RequestOutput
 from specdec.runner import ModelRunner, kv_block_bytes
-from specdec.scheduler import Scheduler, SchedulerOutput
+from specdec.scheduler import Scheduler
 from specdec.sequence import Sequence
 from specdec.verifier import Verifier
 
@@ -32,9 +34,11 @@ class Engine:
         config: EngineConfig,
         dtype: torch.dtype,
         max_model_len: int,
-        drafter: Drafter | None = None,
-        policy: AdaptivePolicy | None = None,
+        speculative: SpecConfig | None = None,
+        target: LoadedCheckpoint | None = None,
     ):
+        """``speculative``: the drafter to build for this engine (None: plain decoding);
+        ``target``: the checkpoint ``model`` was built from, for drafters made from it."""
         self.config = config
         self.tokenizer = tokenizer
         num_blocks = config.num_kv_blocks or max(
@@ -47,13 +51,15 @@ class Engine:
         self.vocab_size = model.config.vocab_size
         self.scheduler = Scheduler(config, num_blocks, self.max_model_len)
         self.runner = ModelRunner(model, num_blocks, config.block_size, dtype)
-        self.drafter = drafter
-        self.policy = policy
         self.verifier = Verifier()
         self.detokenizer = Detokenizer(tokenizer)
         self.eos_token_id = tokenizer.eos_token_id
         self.requests: dict[int, Sequence] = {}
         self._ids = itertools.count()
+        self.drafter: Drafter | None = None
+        self.policy: AdaptivePolicy | None = None
+        if speculative is not None:
+            self.drafter, self.policy = build_speculation(speculative, self, target)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Queue a request; bad prompts raise ``ValueError`` before anything is allocated."""
@@ -98,29 +104,33 @@ class Engine:
         if not out.seqs:
             return []
         start = time.perf_counter()
-        res = self.runner.run(out)
-        emitted = self.verifier.verify(out, res)
+        hidden = self.drafter is not None and self.drafter.needs_token_hidden_states
+        res = self.runner.run(out, keep_token_hidden_states=hidden)
+        verification = self.verifier.verify(out, res)
         if self.policy is not None and out.total_tokens == len(res.logits):  # decode/verify only
             padded = len(out.seqs) * max(out.num_scheduled_tokens)  # attention pads to this
             self.policy.observe_step(padded, time.perf_counter() - start)
-        updated = self.scheduler.update(out, emitted)
+        updated = self.scheduler.update(out, verification.emitted)
         deltas = [self._delta(seq) for seq in updated]
-        self._propose(out)
+        self._propose(FinishedStep(out, res, verification))
         return deltas
 
-    def _propose(self, out: SchedulerOutput) -> None:
+    def _propose(self, step: FinishedStep) -> None:
         """Let the drafter propose the next step's drafts for every running sequence."""
         if self.drafter is None or self.policy is None:
             return
+        out, drafter, policy = step.scheduled, self.drafter, self.policy
+        policy.observe_verification(
+            out.seqs, step.verification.num_drafts, step.verification.num_accepted
+        )
         for seq in out.preempted + [s for s in out.seqs if s.is_finished]:
-            self.drafter.forget(seq)
-            self.policy.forget(seq)
+            drafter.forget(seq)
+            policy.forget(seq)
         running = self.scheduler.running
-        drafter = self.drafter
-        ks = self.policy.num_drafts(
+        ks = policy.num_drafts(
             running, self.max_model_len, drafter.draft_class, drafter.catch_up_tokens
         )
-        drafter.propose(running, ks)
+        drafter.propose(running, ks, step)
 
     def _delta(self, seq: Sequence) -> RequestOutput:
         """The text and tokens ``seq`` gained since its previous delta."""

@@ -7,8 +7,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from specdec.config import EngineConfig, SamplingParams
-from specdec.drafters.base import SpecConfig
-from specdec.drafters.factory import enable_speculation
+from specdec.drafters.registry import SpecConfig
 from specdec.engine import Engine
 from specdec.loader import load_checkpoint, prequantized_weights, resolve_dtype
 from specdec.models.llama import LlamaForCausalLM
@@ -58,10 +57,16 @@ class LLM:
             quantization,
             prequantized_weights(checkpoint) if quantization else None,
         )
-        self.engine = Engine(model_impl, self.tokenizer, config, self.dtype, max_model_len)
         self.spec_config = SpecConfig.coerce(speculative)
-        if self.spec_config is not None:
-            enable_speculation(self.engine, self.spec_config, checkpoint)
+        self.engine = Engine(
+            model_impl,
+            self.tokenizer,
+            config,
+            self.dtype,
+            max_model_len,
+            self.spec_config,
+            checkpoint,
+        )
 
     def generate(
         self,

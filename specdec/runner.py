@@ -9,7 +9,7 @@ or verified.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,10 @@ class StepResult:
     hidden_states: torch.Tensor  # [M, hidden] final hidden state at the same rows
     sample_indices: list[int]  # [S] index into SchedulerOutput.seqs of each sampling sequence
     num_logit_rows: list[int]  # [S] rows of each sampling sequence (its drafts + 1)
+    query_starts: list[int] = field(default_factory=list)  # [B] position of each first query
+    # [N, hidden] final hidden state at every query token of the step, in batch order (each
+    # sequence's num_scheduled_tokens rows); None unless the drafter asked for it
+    token_hidden_states: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -84,8 +88,9 @@ class ModelRunner:
         for attn, k, v in zip(model.attention_layers, self.k_caches, self.v_caches):
             attn.k_cache, attn.v_cache = k, v
 
-    def run(self, out: SchedulerOutput) -> StepResult:
-        """One target forward over every scheduled sequence's query tokens."""
+    def run(self, out: SchedulerOutput, keep_token_hidden_states: bool = False) -> StepResult:
+        """One target forward over every scheduled sequence's query tokens; with
+        ``keep_token_hidden_states``, the hidden state of every query token is kept too."""
         chunks: list[QueryChunk] = []
         sample_indices: list[int] = []
         num_logit_rows: list[int] = []
@@ -98,12 +103,15 @@ class ModelRunner:
             if rows:
                 sample_indices.append(i)
                 num_logit_rows.append(rows)
-        logits, hidden = self.forward(chunks)
-        return StepResult(logits, hidden, sample_indices, num_logit_rows)
+        logits, hidden, token_hidden = self.forward(chunks)
+        kept = token_hidden if keep_token_hidden_states else None
+        starts = [c.start for c in chunks]
+        return StepResult(logits, hidden, sample_indices, num_logit_rows, starts, kept)
 
     @torch.inference_mode()
-    def forward(self, chunks: list[QueryChunk]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run ``chunks`` as one flat batch; return logits [M, V] float32 and hidden [M, H].
+    def forward(self, chunks: list[QueryChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Run ``chunks`` as one flat batch; return logits [M, V] float32, the hidden states
+        at those rows [M, H] and at every token fed [N, H].
 
         ``M`` is the sum of the chunks' ``num_logit_rows``: each chunk's last rows, in order.
         """
@@ -132,8 +140,8 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.long),
             meta,
         )
-        hidden = hidden[torch.tensor(logit_rows, dtype=torch.long)]
-        return self.model.compute_logits(hidden).float(), hidden
+        rows = hidden[torch.tensor(logit_rows, dtype=torch.long)]
+        return self.model.compute_logits(rows).float(), rows, hidden
 
     @torch.inference_mode()
     def dummy_forward(self, num_tokens: int) -> None:

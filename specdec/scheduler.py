@@ -149,8 +149,6 @@ class Scheduler:
                 num_spec = len(seq.spec_token_ids)
                 num_accepted = len(tokens) - 1
                 seq.num_computed_tokens -= num_spec - num_accepted  # rollback is arithmetic
-                seq.metrics.num_draft_tokens += num_spec
-                seq.metrics.num_accepted_tokens += num_accepted
                 seq.spec_token_ids.clear()
                 self._append(seq, tokens, now)
                 updated.append(seq)

@@ -73,13 +73,16 @@ class SpecStats:
             a / max(1, d) for a, d in zip(self.accepted_per_position, self.drafted_per_position)
         ]
 
-    def record(self, num_drafts: list[int], num_accepted: list[int]) -> None:
-        """Count one step's verification: sequence ``i`` accepted ``num_accepted[i]`` of its
+    def record(self, seqs: list[Sequence], num_drafts: list[int], num_accepted: list[int]) -> None:
+        """Count one step's verification, for the engine and for each sequence's metrics (the
+        only place acceptance is counted): ``seqs[i]`` accepted ``num_accepted[i]`` of its
         ``num_drafts[i]`` drafts (an accepted prefix)."""
         width = max(num_drafts, default=0)
         for stats in (self.accepted_per_position, self.drafted_per_position):
             stats.extend([0] * (width - len(stats)))
-        for k, m in zip(num_drafts, num_accepted):
+        for seq, k, m in zip(seqs, num_drafts, num_accepted):
+            seq.metrics.num_draft_tokens += k
+            seq.metrics.num_accepted_tokens += m
             for j in range(k):
                 self.drafted_per_position[j] += 1
                 self.accepted_per_position[j] += j < m
@@ -88,20 +91,33 @@ class SpecStats:
         self.num_accepted_tokens += sum(num_accepted)
 
 
+@dataclass(slots=True)
+class Verification:
+    """What one step's verification decided, per scheduled sequence in batch order."""
+
+    emitted: list[list[int]]  # [B] tokens each emits this step: accepted drafts, then one more
+    num_drafts: list[int]  # [B] drafts each verified (0 for a prefill chunk or a plain decode)
+
+    @property
+    def num_accepted(self) -> list[int]:  # [B] drafts each accepted
+        return [max(0, len(tokens) - 1) for tokens in self.emitted]
+
+
 class Verifier:
     def __init__(self) -> None:
         self.stats = SpecStats()
 
-    def verify(self, out: SchedulerOutput, res: StepResult) -> list[list[int]]:
-        """Return, for every scheduled sequence, the tokens it emits this step (maybe none)."""
-        emitted: list[list[int]] = [[] for _ in out.seqs]
+    def verify(self, out: SchedulerOutput, res: StepResult) -> Verification:
+        """Decide, for every scheduled sequence, the tokens it emits this step (maybe none),
+        and count the drafts verified and accepted."""
+        verification = Verification([[] for _ in out.seqs], [0] * len(out.seqs))
         seqs = [out.seqs[i] for i in res.sample_indices]
         tokens = self._walk(seqs, res.logits, res.num_logit_rows)
-        for i, seq_tokens in zip(res.sample_indices, tokens):
-            emitted[i] = seq_tokens
+        for i, seq_tokens, rows in zip(res.sample_indices, tokens, res.num_logit_rows):
+            verification.emitted[i], verification.num_drafts[i] = seq_tokens, rows - 1
         num_drafts = [n - 1 for n in res.num_logit_rows]
-        self.stats.record(num_drafts, [len(t) - 1 for t in tokens])
-        return emitted
+        self.stats.record(seqs, num_drafts, [len(t) - 1 for t in tokens])
+        return verification
 
     def _walk(
         self,

@@ -31,16 +31,16 @@ import sys
 import pytest
 import torch
 
-from specdec import LLM, SamplingParams
-from specdec.drafters.policy import AdaptivePolicy
+from specdec import LLM, SamplingParams, SpecConfig
+from specdec.drafters import DrafterBase
 from specdec.kernels import cpu_ops
-from specdec.models.linear import can_prepack
+from specdec.models.linear import batch_invariant_by_default
 from specdec.runner import ModelRunner, QueryChunk
 from specdec.sequence import Sequence
 
 pytestmark = pytest.mark.skipif(
-    not (can_prepack(torch.bfloat16) and cpu_ops.enabled()),
-    reason="batch-invariant bf16 needs oneDNN and the CPU kernels",
+    not (batch_invariant_by_default(torch.bfloat16) and cpu_ops.enabled()),
+    reason="batch-invariant bf16 at vector speed needs the CPU kernels and AVX-512",
 )
 BLOCK = 16
 WIDE = {  # the default model's widths, with 2 layers and a small vocabulary
@@ -115,7 +115,7 @@ def test_invariance_holds_without_amx() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-class ForcedDepthDrafter:
+class ForcedDepthDrafter(DrafterBase):
     """Drafts ``0..k`` tokens per sequence and step, at random: plain decoding's continuation,
     sometimes corrupted at a random position, so every depth and every rejection point runs."""
 
@@ -124,13 +124,7 @@ class ForcedDepthDrafter:
     def __init__(self, reference: dict[tuple[int, ...], list[int]], k: int, seed: int):
         self.reference, self.k, self.rng = reference, k, random.Random(seed)
 
-    def draft_class(self, seq: Sequence) -> int:
-        return 1
-
-    def catch_up_tokens(self, seq: Sequence) -> int:
-        return 0
-
-    def propose(self, seqs: list[Sequence], num_drafts: list[int]) -> None:
+    def propose(self, seqs: list[Sequence], num_drafts: list[int], step=None) -> None:  # noqa: ANN001
         for seq, limit in zip(seqs, num_drafts):
             future = self.reference[tuple(seq.prompt_token_ids)][seq.num_output_tokens :]
             drafts = future[: self.rng.randint(0, min(limit, self.k))]
@@ -138,9 +132,6 @@ class ForcedDepthDrafter:
                 j = self.rng.randrange(len(drafts))
                 drafts[j] = (drafts[j] + 1) % 256
             seq.spec_token_ids = drafts
-
-    def forget(self, seq: Sequence) -> None:
-        pass
 
 
 def record_logits(llm: LLM) -> dict[tuple[tuple[int, ...], int], str]:
@@ -150,14 +141,15 @@ def record_logits(llm: LLM) -> dict[tuple[tuple[int, ...], int], str]:
     verify = llm.engine.verifier.verify
 
     def recording(out, res):  # noqa: ANN001, ANN202
-        emitted = verify(out, res)
+        verification = verify(out, res)
+        emitted = verification.emitted
         rows = res.logits.split(res.num_logit_rows)
         for i, logits in zip(res.sample_indices, rows):
             seq = out.seqs[i]
             for j in range(len(emitted[i])):  # rows 0..accepted: their contexts were all right
                 digest = hashlib.sha1(logits[j].numpy().tobytes()).hexdigest()
                 seen[(tuple(seq.prompt_token_ids), seq.num_tokens - 1 + j)] = digest
-        return emitted
+        return verification
 
     llm.engine.verifier.verify = recording  # type: ignore[method-assign]
     return seen
@@ -193,10 +185,14 @@ def test_engine_logits_and_tokens_equal_plain_decoding(options: dict, make_llm) 
     plain_logits = record_logits(plain)
     reference = {tuple(p): plain.generate([p], params)[0].token_ids for p in prompts}
     for k in (1, 8):
-        spec = make_llm(dtype="bfloat16", model_overrides=model, block_size=BLOCK, **options)
-        drafter = ForcedDepthDrafter(reference, k, seed=k)
-        spec.engine.drafter = drafter
-        spec.engine.policy = AdaptivePolicy(k, None, None)
+        drafter = SpecConfig(ForcedDepthDrafter(reference, k, seed=k), k, adaptive=False)
+        spec = make_llm(
+            dtype="bfloat16",
+            model_overrides=model,
+            block_size=BLOCK,
+            speculative=drafter,
+            **options,
+        )
         spec_logits = record_logits(spec)
         outputs = spec.generate(prompts, params)
         assert [o.token_ids for o in outputs] == [reference[tuple(p)] for p in prompts]

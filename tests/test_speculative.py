@@ -8,6 +8,7 @@ import torch
 from scipy.stats import chi2_contingency
 
 from specdec import SamplingParams, SpecConfig
+from specdec.drafters import DrafterBase
 from specdec.sampling import process_logits_for
 from specdec.sequence import Sequence
 from specdec.verifier import Verifier
@@ -18,7 +19,7 @@ REPETITIVE = [[1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2], list(range(10, 40)) * 2, [7] * 
 FIXED_K = {"drafter": "prompt_lookup", "num_speculative_tokens": 5, "adaptive": False}
 
 
-class ScriptedDrafter:
+class ScriptedDrafter(DrafterBase):
     """Proposes the reference continuation, corrupted at chosen draft positions.
 
     Every step then accepts a known number of drafts and rejects the next, so a rollback that
@@ -30,22 +31,13 @@ class ScriptedDrafter:
     def __init__(self, reference: dict[tuple[int, ...], list[int]], k: int, wrong_at: int):
         self.reference, self.k, self.wrong_at = reference, k, wrong_at
 
-    def draft_class(self, seq: Sequence) -> int:
-        return 1
-
-    def catch_up_tokens(self, seq: Sequence) -> int:
-        return 0
-
-    def propose(self, seqs: list[Sequence], num_drafts: list[int]) -> None:
+    def propose(self, seqs: list[Sequence], num_drafts: list[int], step=None) -> None:
         for seq, k in zip(seqs, num_drafts):
             future = self.reference[tuple(seq.prompt_token_ids)][seq.num_output_tokens :]
             drafts = future[: min(k, self.k)]
             if len(drafts) > self.wrong_at:
                 drafts[self.wrong_at] = (drafts[self.wrong_at] + 1) % 256
             seq.spec_token_ids = drafts
-
-    def forget(self, seq):
-        pass
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -61,10 +53,10 @@ def test_prompt_lookup_greedy_equals_plain_decoding(make_llm, arch):
 
 @pytest.mark.parametrize("wrong_at", [0, 1, 3])
 def test_rollback_keeps_exactly_the_accepted_positions(make_llm, wrong_at):
-    llm = make_llm(speculative=FIXED_K, block_size=4)
-    reference = {tuple(p): hf_greedy(llm.hf_model, p, GREEDY.max_tokens) for p in REPETITIVE}
+    plain = make_llm(block_size=4)
+    reference = {tuple(p): hf_greedy(plain.hf_model, p, GREEDY.max_tokens) for p in REPETITIVE}
     drafter = ScriptedDrafter(reference, k=5, wrong_at=wrong_at)
-    llm.engine.drafter = drafter
+    llm = make_llm(speculative=SpecConfig(drafter, 5, adaptive=False), block_size=4)
     outputs = llm.generate(REPETITIVE, GREEDY)
     assert [o.token_ids for o in outputs] == [reference[tuple(p)] for p in REPETITIVE]
     stats = llm.engine.verifier.stats
@@ -120,11 +112,15 @@ def test_bad_spec_config_is_rejected():
         SpecConfig(drafter="draft_model")
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         SpecConfig(prompt_lookup_min=3, prompt_lookup_max=2)
+    with pytest.raises(ValueError, match="'prompt_lookup' has no option 'draft_model'"):
+        SpecConfig("prompt_lookup", draft_model="somewhere")
+    with pytest.raises(ValueError, match="a drafter object takes no options"):
+        SpecConfig(DrafterBase(), draft_model="somewhere")
     with pytest.raises(ValueError, match="num_speculative_tokens must be a non-negative"):
         SamplingParams(num_speculative_tokens=-1)
 
 
-class RandomDrafter:
+class RandomDrafter(DrafterBase):
     """Drafts tokens drawn from a fixed distribution q over a few tokens, from its own generator.
 
     Its drafts do not depend on the target's noise, so verification must keep the target's law
@@ -139,19 +135,10 @@ class RandomDrafter:
         self.q /= self.q.sum()
         self.rng = torch.Generator().manual_seed(0)
 
-    def draft_class(self, seq):
-        return 1
-
-    def catch_up_tokens(self, seq):
-        return 0
-
-    def propose(self, seqs, num_drafts):
+    def propose(self, seqs, num_drafts, step=None):
         for seq, k in zip(seqs, num_drafts):
             drafts = torch.multinomial(self.q, max(k, 1), replacement=True, generator=self.rng)
             seq.spec_token_ids = drafts.tolist()[:k]
-
-    def forget(self, seq):
-        pass
 
 
 class LenientVerifier(Verifier):
@@ -179,13 +166,13 @@ def law_pvalue(make_llm, verifier_class):
     params = SamplingParams(temperature=1.0, top_k=2, max_tokens=4, ignore_eos=True)
     options = {"max_num_seqs": 1024, "max_num_batched_tokens": 16384}
     plain = make_llm(**options)
-    spec = make_llm(**options, speculative=FIXED_K)
     n = 4000
     a = continuations(plain, prompt, params, n, seed=1)
     counts = Counter(t for outcome in a for t in outcome)
     seen = [t for t, _ in counts.most_common()]
-    spec.engine.drafter = RandomDrafter(seen, plain.engine.vocab_size)
-    spec.engine.verifier = verifier_class()
+    drafter = RandomDrafter(seen, plain.engine.vocab_size)
+    spec = make_llm(**options, speculative=SpecConfig(drafter, 5, adaptive=False))
+    spec.engine.verifier = verifier_class()  # the rule under test (a wrong one must fail)
     b = continuations(spec, prompt, params, n, seed=2)
     stats = spec.engine.verifier.stats
     assert stats.num_draft_tokens >= n and 0 < stats.num_accepted_tokens < stats.num_draft_tokens

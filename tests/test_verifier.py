@@ -39,7 +39,7 @@ def test_greedy_rows_accept_the_prefix_that_matches_the_argmax() -> None:
     for row, token in enumerate(t for seq_rows in argmax for t in seq_rows):
         logits[row, token] = 5.0
     verifier = Verifier()
-    emitted = verifier.verify(*make_step(specs, logits))
+    emitted = verifier.verify(*make_step(specs, logits)).emitted
     assert emitted == [[4, 5, 6], [8], [1, 2, 3]]  # 2 of 3 then the argmax; bonus after all
     stats = verifier.stats
     assert (stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_verify_steps) == (5, 4, 2)
@@ -51,7 +51,7 @@ def plain_tokens(params: SamplingParams, logits: torch.Tensor) -> list[int]:  # 
     tokens = []
     for j, row in enumerate(logits):
         step = make_step([([], params)], row.unsqueeze(0), prompt=(1, 2, 3) + (0,) * j)
-        tokens += Verifier().verify(*step)[0]
+        tokens += Verifier().verify(*step).emitted[0]
     return tokens
 
 
@@ -71,7 +71,7 @@ def test_sampled_rows_emit_what_plain_decoding_emits() -> None:
     ]
     rows = [logits[: len(d) + 1] for d, _ in specs]
     verifier = Verifier()
-    emitted = verifier.verify(*make_step(specs, torch.cat(rows)))
+    emitted = verifier.verify(*make_step(specs, torch.cat(rows))).emitted
     assert emitted == [plain[0][:3], plain[1][:4], plain[2][:1], [int(logits[0].argmax())]]
     assert (verifier.stats.num_draft_tokens, verifier.stats.num_accepted_tokens) == (7, 5)
 
@@ -88,5 +88,7 @@ def test_rows_after_a_mismatch_are_not_sampled(monkeypatch) -> None:
         return next_tokens(logits, params, keys)
 
     monkeypatch.setattr(verifier_module, "next_tokens", counting)
-    emitted = Verifier().verify(*make_step([([(first + 1) % VOCAB, 0, 0], sampled)], logits))
+    emitted = (
+        Verifier().verify(*make_step([([(first + 1) % VOCAB, 0, 0], sampled)], logits)).emitted
+    )
     assert emitted == [[first]] and num_rows == [1]

@@ -22,6 +22,8 @@ only.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,13 +35,36 @@ SMALL_ROWS = 64  # most rows a float32 RowLinear hands to the fused kernel; MKL 
 
 
 def can_prepack(dtype: torch.dtype) -> bool:
-    """Whether this build of torch can pack ``dtype`` weights for oneDNN (bf16 only)."""
+    """Whether this build of torch, on this CPU, can pack ``dtype`` weights for oneDNN (bf16
+    only): oneDNN's bf16 linears need AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, and refuse to
+    pack on a CPU with AVX2 alone."""
     return (
         dtype == torch.bfloat16
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and _onednn_bf16_cpu()
     )
+
+
+def can_batch_invariant(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` linears and attention can run batch-invariant here: bf16 on the C++
+    row kernels (any x86-64 CPU they build for), or on oneDNN's packed weights."""
+    return dtype == torch.bfloat16 and (cpu_ops.enabled() or can_prepack(dtype))
+
+
+def batch_invariant_by_default(dtype: torch.dtype) -> bool:
+    """Whether ``batch_invariant=None`` turns invariance on: where it runs at vector speed, on
+    a CPU with AVX-512. Without it the bf16 row kernels are scalar loops (a prefill of the
+    default model took minutes), so invariance is there only when asked for; float32 (MKL and
+    the float32 row kernels) is the faster and exact-in-practice choice on such CPUs."""
+    return can_batch_invariant(dtype) and "avx512f" in cpu_ops.cpu_flags().split()
+
+
+@functools.cache
+def _onednn_bf16_cpu() -> bool:
+    flags = set(cpu_ops.cpu_flags().split())
+    return {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
 
 
 class PackedLinear(nn.Module):

@@ -19,7 +19,12 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from specdec.attention import AttentionMetadata, paged_attention
 from specdec.kernels import cpu_ops
 from specdec.models.hugepages import move_to_huge_pages
-from specdec.models.linear import can_prepack, prepack_linears, use_row_kernels
+from specdec.models.linear import (
+    batch_invariant_by_default,
+    can_batch_invariant,
+    prepack_linears,
+    use_row_kernels,
+)
 from specdec.models.quant import QuantLinear, QuantWeight, quantize_linears
 
 FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}  # config.model_type
@@ -238,7 +243,8 @@ class LlamaForCausalLM(nn.Module):
 
         ``batch_invariant``: every row's result independent of what else a step holds (see
         :mod:`specdec.attention`), so that speculative decoding gives exactly the tokens of plain
-        decoding. ``None`` turns it on where it can be had, bfloat16 weights with oneDNN; float32
+        decoding. ``None`` turns it on where it runs at vector speed, bfloat16 weights on a CPU with
+        AVX-512 (see :func:`~specdec.models.linear.batch_invariant_by_default`); float32
         keeps MKL's faster kernels, whose rounding differs between row counts by far less than
         float32's gaps between logits (``True`` with float32 is an error).
 
@@ -255,13 +261,15 @@ class LlamaForCausalLM(nn.Module):
         model.load_hf_state_dict(state_dict)
         if quantization is not None:
             quantize_linears(model, quantization, prequantized)
-        supported = can_prepack(model.embed_tokens.weight.dtype)
+        supported = can_batch_invariant(model.embed_tokens.weight.dtype)
         if batch_invariant and not supported:
             raise ValueError(
-                "batch-invariant kernels need bfloat16 weights and a oneDNN build of torch; "
+                "batch-invariant kernels need bfloat16 weights and the CPU kernels (or oneDNN); "
                 "load with dtype='bfloat16' or pass batch_invariant=False"
             )
-        model.batch_invariant = supported if batch_invariant is None else batch_invariant
+        if batch_invariant is None:
+            batch_invariant = batch_invariant_by_default(model.embed_tokens.weight.dtype)
+        model.batch_invariant = batch_invariant
         # float32 few-row steps, and every invariant step, on the C++ row kernel; the other bf16
         # linears on oneDNN-packed weights (see models/linear.py)
         use_row_kernels(model, invariant=model.batch_invariant)

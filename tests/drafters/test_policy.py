@@ -5,11 +5,15 @@ from specdec.drafters.policy import AdaptivePolicy, StepCostModel
 from specdec.sequence import Sequence
 
 
-def decoding_seq(seq_id: int, max_tokens: int = 100, drafted: int = 0, accepted: int = 0):
+def decoding_seq(seq_id: int, max_tokens: int = 100):
     seq = Sequence(seq_id, list(range(20)), 10, SamplingParams(max_tokens=max_tokens))
     seq.num_computed_tokens = seq.num_tokens - 1  # fully prefilled, decoding
-    seq.metrics.num_draft_tokens, seq.metrics.num_accepted_tokens = drafted, accepted
     return seq
+
+
+def verified(policy: AdaptivePolicy, seqs: list[Sequence], drafted: int, accepted: list[int]):
+    """Tell ``policy`` that each of ``seqs`` verified ``drafted`` drafts and accepted so many."""
+    policy.observe_verification(seqs, [drafted] * len(seqs), accepted)
 
 
 FLAT = StepCostModel([(1, 1.0), (64, 1.05), (128, 1.1)])  # weight-bound: drafts nearly free
@@ -25,8 +29,8 @@ def test_cheap_steps_and_good_acceptance_get_the_full_k():
     policy = AdaptivePolicy(max_drafts=8, cost=FLAT)
     seqs = [decoding_seq(0), decoding_seq(1)]
     for step in range(5):  # every draft accepted, step after step
-        for seq in seqs:
-            seq.metrics.num_draft_tokens = seq.metrics.num_accepted_tokens = 8 * step
+        if step:
+            verified(policy, seqs, 8, [8, 8])
         ks = policy.num_drafts(seqs, 1000)
     assert ks == [8, 8]
 
@@ -39,9 +43,8 @@ def test_compute_bound_steps_get_no_drafts():
 def test_failing_drafts_shrink_k_and_passing_ones_keep_it():
     policy = AdaptivePolicy(max_drafts=8, cost=StepCostModel([(1, 1.0), (128, 3.0)]))
     good, bad = decoding_seq(0), decoding_seq(1)
-    for step in range(1, 6):
-        good.metrics.num_draft_tokens = bad.metrics.num_draft_tokens = 8 * step
-        good.metrics.num_accepted_tokens = 8 * step
+    for _ in range(1, 6):
+        verified(policy, [good, bad], 8, [8, 0])
         ks = policy.num_drafts([good, bad], 1000)
     assert ks[0] > ks[1] and ks[1] <= 1
 
@@ -112,8 +115,7 @@ def test_stalled_steps_do_not_price_drafts_out():
         (k,) = policy.num_drafts([seq], 1000)
         drafting_steps += k > 0
         if k:  # a quarter of first drafts pass
-            seq.metrics.num_draft_tokens += k
-            seq.metrics.num_accepted_tokens += step % 4 == 0
+            verified(policy, [seq], k, [int(step % 4 == 0)])
         policy.observe_step(1 + k, true_cost[1 + k] * (3.0 if step == 20 else 1.0))
     assert drafting_steps > 180
 
@@ -121,7 +123,7 @@ def test_stalled_steps_do_not_price_drafts_out():
 def test_learned_costs_turn_drafting_off_in_a_busy_batch():
     """The start-up curve says drafts are free; measured verification steps say they are not."""
     policy = AdaptivePolicy(max_drafts=4, cost=StepCostModel([(1, 1.0), (256, 1.1)]))
-    seqs = [decoding_seq(i, drafted=4, accepted=2) for i in range(32)]
+    seqs = [decoding_seq(i) for i in range(32)]
     assert sum(policy.num_drafts(seqs, 1000)) > 0
     for _ in range(50):
         policy.observe_step(32, 1.0)
@@ -142,9 +144,8 @@ def test_acceptance_is_kept_per_draft_class_and_class_zero_gets_nothing():
 
     seqs = [decoding_seq(i) for i in range(3)]
     assert policy.num_drafts(seqs, 1000, classify)[2] == 0
-    for step in range(1, 8):  # 4-gram drafts always pass, 1-gram drafts always fail
-        seqs[0].metrics.num_draft_tokens = seqs[0].metrics.num_accepted_tokens = 4 * step
-        seqs[1].metrics.num_draft_tokens = 4 * step
+    for _ in range(1, 8):  # 4-gram drafts always pass, 1-gram drafts always fail
+        policy.observe_verification(seqs, [4, 4, 0], [4, 0, 0])
         ks = policy.num_drafts(seqs, 1000, classify)
     assert ks[0] == 4 and ks[1] == 0 and ks[2] == 0
     assert policy.acceptance[0][4] > 0.9 and policy.acceptance[1][1] < 0.1
@@ -178,3 +179,14 @@ def test_a_drafter_known_to_agree_is_tried_where_an_unknown_one_is_not():
     agreeing = AdaptivePolicy(max_drafts=4, cost=FLAT, draft_cost=draft_cost, prior_acceptance=0.9)
     assert unknown.num_drafts([seq], 1000) == [0]
     assert agreeing.num_drafts([seq], 1000)[0] >= 2
+
+
+def test_a_drafter_that_drafts_every_depth_in_one_pass_pays_for_one_forward():
+    """Medusa's heads draft all depths in one pass: a draft cost of 0.25 target steps prices
+    depth 4 at 0.25, not 1.0, so it drafts deeper than a drafter that runs once per depth."""
+    seq = decoding_seq(0)
+    draft_cost = StepCostModel([(1, 0.25)])
+    per_depth = AdaptivePolicy(4, FLAT, draft_cost, prior_acceptance=0.6)
+    one_pass = AdaptivePolicy(4, FLAT, draft_cost, prior_acceptance=0.6, drafts_in_one_pass=True)
+    assert one_pass.num_drafts([seq], 1000) == [4]
+    assert per_depth.num_drafts([seq], 1000)[0] < 4

@@ -81,7 +81,7 @@ def test_float32_linears_use_the_row_kernels() -> None:
 def test_a_batch_invariant_bf16_model_runs_every_linear_on_packed_pairs() -> None:
     hf = tiny_model("llama")  # tied embeddings
     state = {k: v.to(torch.bfloat16) for k, v in hf.state_dict().items()}
-    model = LlamaForCausalLM.from_hf(hf.config, state, 64)
+    model = LlamaForCausalLM.from_hf(hf.config, state, 64, batch_invariant=True)
     assert model.batch_invariant
     rows = [m for m in model.modules() if isinstance(m, RowLinear)]
     assert len(rows) == 4 * hf.config.num_hidden_layers + 1

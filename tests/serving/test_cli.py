@@ -16,9 +16,9 @@ from .conftest import MODEL
 
 
 def test_an_unknown_drafter_is_refused_before_loading_anything():
-    result = CliRunner().invoke(cli.serve, ["--drafter", "eagle"])
+    result = CliRunner().invoke(cli.serve, ["--drafter", "magic"])
     assert result.exit_code == 2
-    assert "'eagle' is not one of 'none', 'prompt_lookup', 'draft_model'" in result.output
+    assert "'magic' is not one of 'none', 'prompt_lookup', 'draft_model'" in result.output
 
 
 def test_help_documents_the_options():
@@ -78,6 +78,32 @@ def test_serve_passes_the_draft_quantization_on(captured_run):
         cli.serve, ["--drafter", "quantized_self", "--draft-quantization", "q2"]
     )
     assert bad.exit_code == 2 and "'q2' is not one of 'int8', 'int4', 'w8a8', 'w4a8'" in bad.output
+
+
+def test_serve_passes_heads_on_and_refuses_an_option_of_another_drafter(captured_run):
+    from specdec.drafters import SpecConfig
+
+    result = CliRunner().invoke(cli.serve, ["--drafter", "eagle", "--heads", "some/dir"])
+    assert result.exit_code == 0, result.output
+    assert captured_run["llm"][1]["speculative"] == SpecConfig("eagle", 8, heads="some/dir")
+    bad = CliRunner().invoke(cli.serve, ["--drafter", "prompt_lookup", "--heads", "some/dir"])
+    assert bad.exit_code == 2
+    assert "drafter 'prompt_lookup' has no option 'heads'" in bad.output
+
+
+def test_train_heads_refuses_bad_options_before_loading_anything():
+    from specdec.cli import main
+
+    result = CliRunner().invoke(main, ["train-heads", "--kind", "hydra", "--out", "x"])
+    assert result.exit_code == 2 and "'hydra' is not one of 'eagle', 'medusa'" in result.output
+    result = CliRunner().invoke(
+        main, ["train-heads", "--kind", "eagle", "--out", "x", "--max-steps", "0"]
+    )
+    assert result.exit_code == 1 and "max_steps must be positive" in result.output
+    result = CliRunner().invoke(
+        main, ["train-heads", "--kind", "eagle", "--out", "x", "--data", "missing.jsonl"]
+    )
+    assert result.exit_code == 1 and "no training prompts at missing.jsonl" in result.output
 
 
 def test_serve_warns_when_open_beyond_loopback(captured_run):

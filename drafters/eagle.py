@@ -1,0 +1,269 @@
+"""EAGLE (Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature
+Uncertainty"): a one-layer head that drafts at the level of the target's features.
+
+Terms: the *feature* ``f[p]`` is the target's final hidden state at position ``p`` (after the
+final norm: what its output layer reads to predict ``x[p + 1]``). The head's *row* ``p`` takes
+the token ``x[p]`` and the feature before it, ``f[p - 1]`` (zeros where there is none: at
+position 0, and where the target's feature was never seen, see below), fuses them,
+``fc([embed(x[p]); f[p - 1]])``, and runs one decoder layer of the target's shape over them,
+attending to its own keys and values of rows ``0 .. p``, then a norm: the result is its guess of
+``f[p]``, and the target's output rows over the reduced vocabulary (drafters/heads.py) turn it
+into a guess of ``x[p + 1]``.
+
+Each step, after verification, the head *catches up*: for every scheduled sequence it runs the
+rows of the positions the target computed and kept this step (prompt chunks included), all
+sequences in one forward, with the real features. Its last row is at the sequence's newest
+token, so its output is the first draft. Drafting goes on autoregressively, ``k - 1`` more rows
+of one token each, fed the head's own output feature in place of the target's. Draft rows lie
+past the target's computed positions, so the next catch-up overwrites them: rollback is, as
+for the target, nothing but bookkeeping.
+
+The head's K/V tensors are its own, indexed by the engine's block ids, so one block table per
+sequence serves both (as for a draft model, drafters/draft_model.py). A sequence the head has
+no row for at the start of a step's positions (its first chunk, a prompt whose prefix came from
+the prefix cache, a recompute after preemption) gets that row with a zero feature: the head then
+sees one position without its feature, which lowers acceptance a little and never changes
+output (verification decides that).
+
+Drafts follow the target's own rule with the noise of the position drafted, as the other
+drafters' do (greedy: argmax; sampled: the exponential race).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.attention import AttentionMetadata
+from specdec.drafters.base import DrafterBase, FinishedStep
+from specdec.drafters.heads import DraftVocabHead, HeadsOptions, default_heads, load_heads
+from specdec.models.llama import DecoderLayer, ModelArchConfig, RMSNorm, Rope
+from specdec.sampling import next_tokens
+from specdec.sequence import Sequence
+
+if TYPE_CHECKING:
+    from specdec.engine import Engine
+    from specdec.models.llama import LlamaForCausalLM
+
+
+class EagleHead(nn.Module):
+    """``fc([embedding; feature])``, one decoder layer of the target's shape, a norm."""
+
+    def __init__(self, cfg: ModelArchConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.layer = DecoderLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        embeds: torch.Tensor,  # [N, H] token embeddings x[p]
+        features: torch.Tensor,  # [N, H] the features f[p - 1]
+        rope: Rope,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [N, H] the guesses of f[p]
+        """The paged path the drafter runs (the layer's ``k_cache``/``v_cache`` set)."""
+        x = self.fc(torch.cat([embeds, features], dim=-1))
+        out, residual = self.layer.forward(x, None, rope, meta)
+        return self.norm.forward(out, residual)
+
+    def forward_train(
+        self,
+        embeds: torch.Tensor,  # [B, T, H]
+        features: torch.Tensor,  # [B, T, H]
+        cos: torch.Tensor,  # [T, D]
+        sin: torch.Tensor,  # [T, D]
+    ) -> torch.Tensor:  # [B, T, H]
+        """The same function on whole sequences (causal), in differentiable torch ops, for
+        training; tests check that it equals the paged path."""
+        cfg, layer = self.cfg, self.layer
+        attn, mlp = layer.self_attn, layer.mlp
+        b, t, _ = embeds.shape
+        x = self.fc(torch.cat([embeds, features], dim=-1))  # [B, T, H], the residual stream
+        h = _rms(x, layer.input_layernorm)
+        qkv = F.linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        q = _rotate(q.view(b, t, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = _rotate(k.view(b, t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        v = v.view(b, t, cfg.num_kv_heads, cfg.head_dim)
+        out = F.scaled_dot_product_attention(  # [B, Hq, T, D], each query head on its group
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=True,
+            scale=attn.scale,
+            enable_gqa=True,
+        )
+        x = x + F.linear(out.transpose(1, 2).reshape(b, t, attn.q_size), attn.o_proj.weight)
+        gate, up = F.linear(_rms(x, layer.post_attention_layernorm), mlp.gate_up_proj.weight).chunk(
+            2, dim=-1
+        )
+        x = x + F.linear(F.silu(gate) * up, mlp.down_proj.weight)
+        return _rms(x, self.norm)
+
+
+def _rms(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on ``[B, T, heads, D]`` with ``[T, D]`` tables, as transformers' rotate_half."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+class EagleDrafter(DrafterBase):
+    name = "eagle"
+    Options = HeadsOptions
+    prior_acceptance = 0.6
+    needs_token_hidden_states = True
+
+    def __init__(self, head: EagleHead, vocab: DraftVocabHead, target: LlamaForCausalLM, engine):  # noqa: ANN001
+        self.head, self.vocab = head, vocab
+        self.embed, self.rope = target.embed_tokens, target.rope  # the target's own: shared
+        self.scheduler = engine.scheduler
+        bm = engine.scheduler.block_manager
+        self.block_size = bm.block_size
+        cfg, dtype = head.cfg, target.embed_tokens.weight.dtype
+        shape = (bm.num_blocks, bm.block_size, cfg.num_kv_heads, cfg.head_dim)
+        attn = head.layer.self_attn
+        attn.k_cache, attn.v_cache = (
+            torch.zeros(shape, dtype=dtype),
+            torch.zeros(shape, dtype=dtype),
+        )
+        self.written: dict[int, int] = {}  # seq_id -> position of the last row with real inputs
+        self.last_feature: dict[int, torch.Tensor] = {}  # seq_id -> [H] that row's output
+        self.draft_forward = self._timing_forward
+
+    @classmethod
+    def build(cls, options: Any, engine: Engine, target: Any) -> EagleDrafter:
+        model = engine.runner.model
+        dtype = model.embed_tokens.weight.dtype
+        config, weights = load_heads(options.heads or default_heads("eagle"), "eagle", dtype)
+        config.check_target(model.config)
+        head = EagleHead(model.config)
+        head.load_state_dict({n: t for n, t in weights.items() if n != "draft_vocab"})
+        head.to(dtype).eval().requires_grad_(False)
+        return cls(head, DraftVocabHead(model, weights["draft_vocab"]), model, engine)
+
+    def forget(self, seq: Sequence) -> None:
+        self.written.pop(seq.seq_id, None)
+        self.last_feature.pop(seq.seq_id, None)
+
+    def propose(
+        self, seqs: list[Sequence], num_drafts: list[int], step: FinishedStep | None = None
+    ) -> None:
+        if step is not None:
+            self._catch_up(step)
+        drafting, ks = [], []
+        for seq, k in zip(seqs, num_drafts):
+            seq.spec_token_ids = []
+            if not k or self.written.get(seq.seq_id) != seq.num_tokens - 1:
+                continue
+            covered = self.scheduler.reserve_lookahead(seq, seq.num_tokens + k - 1)
+            k = min(k, covered - seq.num_tokens + 1)
+            if k > 0:
+                drafting.append(seq)
+                ks.append(k)
+        if drafting:
+            self._draft(drafting, ks)
+
+    @torch.inference_mode()
+    def _catch_up(self, step: FinishedStep) -> None:
+        """Run the head's rows for every position the target computed and kept this step."""
+        chunks: list[tuple[Sequence, int, torch.Tensor]] = []  # (seq, first row, features)
+        hidden = step.result.token_hidden_states
+        assert hidden is not None, "the runner must keep token hidden states for EAGLE"
+        offset = 0
+        for i, (seq, n) in enumerate(zip(step.scheduled.seqs, step.scheduled.num_scheduled_tokens)):
+            start, rows = step.result.query_starts[i], hidden[offset : offset + n]
+            offset += n
+            kept = seq.num_computed_tokens - start  # positions start .. start + kept - 1
+            if seq.is_finished or kept <= 0:
+                continue
+            features = rows[:kept]  # f[start] .. f[start + kept - 1], for rows start + 1 ..
+            first = start + 1
+            if self.written.get(seq.seq_id) != start:  # no row at `start` yet: zero feature
+                features = torch.cat([features.new_zeros(1, features.shape[1]), features])
+                first = start
+            last = start + kept  # the row of the newest computed-by-target token's successor
+            covered = self.scheduler.reserve_lookahead(seq, last + 1)
+            if covered <= last:  # no KV block for the last row: leave it for the next step
+                features, last = features[: covered - first], covered - 1
+            if last >= first:
+                chunks.append((seq, first, features))
+        if not chunks:
+            return
+        tokens = [seq.token_ids[first : first + len(f)] for seq, first, f in chunks]
+        output = self._forward(
+            [(seq, first, t) for (seq, first, _), t in zip(chunks, tokens)],
+            torch.cat([f for _, _, f in chunks]),
+        )
+        end = 0
+        for seq, first, features in chunks:
+            end += len(features)
+            self.written[seq.seq_id] = first + len(features) - 1
+            self.last_feature[seq.seq_id] = output[end - 1]
+
+    @torch.inference_mode()
+    def _draft(self, seqs: list[Sequence], ks: list[int]) -> None:
+        """``ks[i]`` drafts for each sequence, one batched row per draft depth."""
+        features = torch.stack([self.last_feature[seq.seq_id] for seq in seqs])  # [A, H]
+        live = list(range(len(seqs)))
+        for j in range(max(ks)):
+            chosen = [seqs[i] for i in live]
+            keys = [(seq.seed, seq.num_tokens + j) for seq in chosen]
+            logits = self.vocab.full_logits(features)
+            tokens = next_tokens(logits, [seq.params for seq in chosen], keys)
+            for seq, token in zip(chosen, tokens):
+                seq.spec_token_ids.append(token)
+            keep = [a for a, i in enumerate(live) if j + 1 < ks[i]]
+            if not keep:
+                return
+            live = [live[a] for a in keep]
+            rows = [(seqs[i], seqs[i].num_tokens + j, [tokens[a]]) for a, i in zip(keep, live)]
+            features = self._forward(rows, features[keep])
+
+    def _forward(
+        self,
+        rows: list[tuple[Sequence, int, list[int]]],  # (seq, first position, tokens there)
+        features: torch.Tensor,  # [N, H] the feature before each token
+    ) -> torch.Tensor:  # [N, H] the head's output feature at each row
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for seq, first, tokens in rows:
+            input_ids += tokens
+            span = range(first, first + len(tokens))
+            positions += span
+            slots += [seq.block_table[p // bs] * bs + p % bs for p in span]
+        meta = AttentionMetadata.build(
+            [len(t) for _, _, t in rows],
+            [first + len(t) for _, first, t in rows],
+            [seq.block_table for seq, _, _ in rows],
+            torch.tensor(slots, dtype=torch.long),
+            bs,
+            False,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long)
+        rope = self.rope(torch.tensor(positions, dtype=torch.long), features.dtype)
+        return self.head(self.embed(ids), features, rope, meta)
+
+    @torch.inference_mode()
+    def _timing_forward(self, n: int) -> None:
+        """A draft depth over ``n`` sequences, as the policy prices it: ``n`` rows (written to
+        the first blocks of the head's cache, harmless before serving), then the output rows."""
+        cache = self.head.layer.self_attn.k_cache
+        n = min(n, cache.shape[0] * self.block_size)
+        blocks = list(range(-(-n // self.block_size)))
+        meta = AttentionMetadata.build([n], [n], [blocks], torch.arange(n), self.block_size, False)
+        features = torch.zeros(n, self.head.cfg.hidden_size, dtype=cache.dtype)
+        rope = self.rope(torch.arange(n), cache.dtype)
+        out = self.head(self.embed(torch.zeros(n, dtype=torch.long)), features, rope, meta)
+        self.vocab.full_logits(out)

@@ -1,0 +1,130 @@
+"""Medusa heads (Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework with
+Multiple Decoding Heads"): ``K`` small residual blocks on the target's last hidden state, head
+``i`` guessing the token ``i + 1`` places after the one the target just predicted.
+
+At the position ``t`` whose logits gave the sequence's newest token ``x[t + 1]``, the target's
+final hidden state ``h[t]`` is already computed. Head ``i`` (``i = 1 .. K``) maps it through one
+residual block, ``h + SiLU(W_i h + b_i)``, and the shared output layer (the target's rows for the
+reduced draft vocabulary, see drafters/heads.py) to a guess of ``x[t + 1 + i]``. All ``K`` drafts
+come from one hidden state in one batched pass: no forward of a model of the drafter's own, no
+KV cache, no state kept between steps (Medusa-1, with the target frozen; its tree of candidates
+is a later issue: this proposes one chain, each head's top token).
+
+Drafts are chosen by the target's own rule on the head's logits, with the noise of the position
+drafted (as drafters/draft_model.py does): greedy requests take the argmax, sampled ones the
+winner of the exponential race, so a sampled draft is the target's token whenever the two races
+agree. Verification is unchanged, so heads change speed, never output.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from specdec.drafters.base import DrafterBase, FinishedStep
+from specdec.drafters.heads import (
+    DraftVocabHead,
+    HeadsConfig,
+    HeadsOptions,
+    default_heads,
+    load_heads,
+)
+from specdec.sampling import next_tokens
+from specdec.sequence import Sequence
+
+if TYPE_CHECKING:
+    from specdec.engine import Engine
+
+
+class MedusaHeads(nn.Module):
+    """``K`` residual blocks ``h -> h + SiLU(W_i h + b_i)``; ``W_i = 0`` at init, so that every
+    head starts out guessing the target's own next token (as Medusa initialises them)."""
+
+    def __init__(self, hidden_size: int, num_heads: int):
+        super().__init__()
+        blocks = [nn.Linear(hidden_size, hidden_size) for _ in range(num_heads)]
+        for block in blocks:
+            nn.init.zeros_(block.weight)
+            nn.init.zeros_(block.bias)
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [K, N, H]
+        return torch.stack([hidden + nn.functional.silu(block(hidden)) for block in self.blocks])
+
+
+class MedusaDrafter(DrafterBase):
+    name = "medusa"
+    Options = HeadsOptions
+    prior_acceptance = 0.5
+    drafts_in_one_pass = True  # every head in one pass
+
+    def __init__(self, heads: MedusaHeads, head: DraftVocabHead):
+        self.heads = heads
+        self.head = head
+        self.num_heads = len(heads.blocks)
+        self.max_drafts = self.num_heads
+        hidden_size = head.weight.shape[1]
+        dtype = head.weight.dtype
+        self.draft_forward = lambda n: self._logits(torch.zeros(n, hidden_size, dtype=dtype))
+
+    @classmethod
+    def build(cls, options: Any, engine: Engine, target: Any) -> MedusaDrafter:
+        model = engine.runner.model
+        dtype = model.embed_tokens.weight.dtype
+        config, weights = load_heads(options.heads or default_heads("medusa"), "medusa", dtype)
+        config.check_target(model.config)
+        heads = medusa_heads(config)
+        heads.load_state_dict({n: t for n, t in weights.items() if n != "draft_vocab"})
+        heads.to(dtype).eval().requires_grad_(False)
+        return cls(heads, DraftVocabHead(model, weights["draft_vocab"]))
+
+    @torch.inference_mode()
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [K, N, V]
+        features = self.heads(hidden)  # [K, N, H]
+        return torch.stack([self.head.full_logits(f) for f in features])
+
+    def propose(
+        self, seqs: list[Sequence], num_drafts: list[int], step: FinishedStep | None = None
+    ) -> None:
+        for seq in seqs:
+            seq.spec_token_ids = []
+        if step is None:
+            return
+        rows = _last_rows(step)  # seq_id -> row of its newest token's hidden state
+        drafting = [
+            (seq, min(k, self.num_heads))
+            for seq, k in zip(seqs, num_drafts)
+            if k and seq.seq_id in rows
+        ]
+        if not drafting:
+            return
+        index = torch.tensor([rows[seq.seq_id] for seq, _ in drafting])
+        logits = self._logits(step.result.hidden_states[index])  # [K, A, V]
+        depth = max(k for _, k in drafting)
+        for j in range(depth):  # head j + 1 drafts position num_tokens + j
+            live = [a for a, (_, k) in enumerate(drafting) if k > j]
+            chosen = [drafting[a][0] for a in live]
+            keys = [(seq.seed, seq.num_tokens + j) for seq in chosen]
+            tokens = next_tokens(logits[j, live], [seq.params for seq in chosen], keys)
+            for seq, token in zip(chosen, tokens):
+                seq.spec_token_ids.append(token)
+
+
+def medusa_heads(config: HeadsConfig) -> MedusaHeads:
+    return MedusaHeads(config.hidden_size, config.num_heads)
+
+
+def _last_rows(step: FinishedStep) -> dict[int, int]:
+    """For each sequence that sampled this step, the row of ``step.result.hidden_states`` at
+    the position whose logits gave its newest token (its last accepted draft's row)."""
+    rows, start = {}, 0
+    res, scheduled = step.result, step.scheduled
+    for i, num_rows in zip(res.sample_indices, res.num_logit_rows):
+        seq = scheduled.seqs[i]
+        accepted = step.verification.num_accepted[i]
+        if not seq.is_finished:
+            rows[seq.seq_id] = start + accepted
+        start += num_rows
+    return rows

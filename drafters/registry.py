@@ -1,0 +1,106 @@
+"""Every drafter, registered once by its class, and the configuration that picks one.
+
+A drafter class names itself (``name``), declares its options (``Options``, a dataclass whose
+fields are the keyword arguments :class:`SpecConfig` takes for it) and builds itself for an
+engine (``build``). Adding a drafter is writing that class and listing it in ``DRAFTERS``; the
+CLI's ``--drafter`` choices, the option checks and the factory all read this one table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from specdec.drafters.base import Drafter
+from specdec.drafters.draft_model import DraftModelDrafter, QuantizedSelfDrafter
+from specdec.drafters.eagle import EagleDrafter
+from specdec.drafters.medusa import MedusaDrafter
+from specdec.drafters.policy import AdaptivePolicy, StepCostModel
+from specdec.drafters.prompt_lookup import PromptLookupDrafter
+
+if TYPE_CHECKING:
+    from specdec.engine import Engine
+    from specdec.loader import LoadedCheckpoint
+
+DRAFTERS: dict[str, Any] = {
+    cls.name: cls
+    for cls in (
+        PromptLookupDrafter,
+        DraftModelDrafter,
+        QuantizedSelfDrafter,
+        MedusaDrafter,
+        EagleDrafter,
+    )
+}
+
+
+@dataclass(slots=True, init=False)
+class SpecConfig:
+    """How to speculate: ``LLM(model, speculative=SpecConfig("prompt_lookup", 8))``.
+
+    Keyword arguments past the three below are the drafter's options (the fields of its
+    ``Options``), e.g. ``SpecConfig("draft_model", draft_model="path/to/draft")``. A flat dict
+    works too: ``speculative={"drafter": "prompt_lookup", "prompt_lookup_max": 3}``.
+    """
+
+    drafter: str | Drafter  # a name in DRAFTERS, or a drafter object of your own
+    num_speculative_tokens: int  # most drafts per sequence per step (k)
+    adaptive: bool  # choose k per sequence and step (see drafters/policy.py)
+    options: Any  # the drafter's Options (None for a drafter object)
+
+    def __init__(
+        self,
+        drafter: str | Drafter = "prompt_lookup",
+        num_speculative_tokens: int = 8,
+        adaptive: bool = True,
+        **options: Any,
+    ):
+        self.drafter, self.adaptive = drafter, adaptive
+        self.num_speculative_tokens = num_speculative_tokens
+        if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
+            raise ValueError(
+                f"num_speculative_tokens must be a positive integer, got {num_speculative_tokens!r}"
+            )
+        if not isinstance(drafter, str):
+            if options:
+                raise ValueError("a drafter object takes no options: configure the object")
+            self.options = None
+            return
+        if drafter not in DRAFTERS:
+            raise ValueError(f"unknown drafter {drafter!r}; choose one of {tuple(DRAFTERS)}")
+        option_class = DRAFTERS[drafter].Options
+        known = [f.name for f in dataclasses.fields(option_class)]
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise ValueError(
+                f"drafter {drafter!r} has no option {unknown[0]!r}; its options: "
+                f"{', '.join(known) or 'none'}"
+            )
+        self.options = option_class(**options)
+
+    @staticmethod
+    def coerce(value: SpecConfig | dict | None) -> SpecConfig | None:
+        if value is None or isinstance(value, SpecConfig):
+            return value
+        if isinstance(value, dict):
+            return SpecConfig(**value)
+        raise TypeError(f"speculative must be a SpecConfig or a dict, got {type(value).__name__}")
+
+
+def build_speculation(
+    spec: SpecConfig, engine: Engine, target: LoadedCheckpoint | None
+) -> tuple[Drafter, AdaptivePolicy]:
+    """The drafter ``spec`` names, built for ``engine`` (whose model came from ``target``),
+    and the policy choosing its depth, with step costs timed on the engine's own model."""
+    if isinstance(spec.drafter, str):
+        drafter = DRAFTERS[spec.drafter].build(spec.options, engine, target)
+    else:
+        drafter = spec.drafter
+    cost = draft_cost = None
+    if spec.adaptive:
+        cost = StepCostModel.measure(engine.runner.dummy_forward)
+        if drafter.draft_forward is not None:  # a drafter with a model of its own: time it too
+            draft_cost = StepCostModel.measure(drafter.draft_forward, sizes=(1, 8, 32))
+    policy = AdaptivePolicy(spec.num_speculative_tokens, cost, draft_cost, drafter.prior_acceptance)
+    return drafter, policy
