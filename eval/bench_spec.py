@@ -1,21 +1,24 @@
 """Speculative decoding benchmark: which drafter pays off, per prompt style, side by side.
 
     python -m specdec.eval.bench_spec [--dtype bfloat16] [--draft-model DIR]
-        [--prompts-per-style N] [--quick]
+        [--eagle-heads DIR] [--medusa-heads DIR] [--styles chat,math] [--no-hf]
+        [--concurrent N] [--prompts-per-style N] [--quick]
 
 On the default model, for each prompt style (``eval/prompts/{summarization,retrieval,
 code_editing,chat,math,translation}.jsonl``) it times single-stream greedy generation of the
 first ``N`` prompts (default 5, 0 takes all) with: the engine without speculation, with prompt
 lookup, with a draft model (when one is given or has been distilled, see ``python -m
-specdec.drafters.distill``), ``transformers`` ``generate``, and ``transformers``
+specdec.drafters.distill``), with EAGLE and Medusa heads (given, or the shipped ones, see
+``specdec train-heads``), ``transformers`` ``generate``, and ``transformers``
 ``generate(prompt_lookup_num_tokens=10)``. The fused CPU kernels are built and every system
 generates once before anything is timed, so no one-time cost enters a figure. The systems take
 turns on each prompt, in order and then in reverse order, so drift in machine load hits all
-alike. It also reports each drafter's mean accepted length and acceptance rate per style, the
+alike. It also reports each drafter's mean accepted length, acceptance rate and acceptance per
+draft position per style, the
 ceiling no prompt lookup can pass on these outputs (:func:`lookup_ceiling`), how much the outputs
 copy from their prompts by a fixed yardstick (:func:`reference_lookup`: a greedy-verified 3-gram
 lookup with ``k = 8``, the figure issue #4 states its goals against), all styles together, and
-the throughput of the 32 concurrent requests of ``runtime.jsonl`` with and without prompt lookup.
+the throughput of the 32 concurrent requests of ``runtime.jsonl`` with and without each drafter.
 Results: ``eval/results/spec_{dtype}.{json,md}``.
 """
 
@@ -217,8 +220,8 @@ def _counters(llm: LLM) -> tuple[int, int, int, list[int], list[int]]:
     )
 
 
-def concurrent(systems: dict[str, Any], quick: bool) -> dict[str, float]:
-    records = load_prompts("runtime")[: 8 if quick else None]
+def concurrent(systems: dict[str, Any], num_requests: int) -> dict[str, float]:
+    records = load_prompts("runtime")[:num_requests]
     chat = systems["specdec"]
     prompts = [chat.apply_chat_template(conversation(r)) for r in records]
     params = [
@@ -350,6 +353,9 @@ def main() -> None:
         )
     parser.add_argument("--styles", default=",".join(STYLES), help="comma-separated styles")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers systems")
+    parser.add_argument(
+        "--concurrent", type=int, default=32, metavar="N", help="requests run at once (max 32)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     per_style = args.prompts_per_style
@@ -378,7 +384,7 @@ def main() -> None:
             records = load_prompts(style)[: per_style or None]
             result["single_stream"][style] = single_stream(systems, records, args.quick)
         print(f"[{args.dtype}] concurrent requests ...", flush=True)
-        result["concurrent"] = concurrent(systems, args.quick)
+        result["concurrent"] = concurrent(systems, 8 if args.quick else args.concurrent)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"spec_{args.dtype}"
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2))

@@ -127,3 +127,22 @@ def test_bf16_speculation_is_exact(hf_model):
     assert [spec.generate([p], params)[0].token_ids for p in prompts] == expected
     assert [o.token_ids for o in spec.generate(prompts, params)] == expected
     assert spec.engine.verifier.stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_the_shipped_heads_draft_for_the_default_model_and_change_no_token(kind):
+    """``SpecConfig(kind)`` with no ``heads=`` loads the heads shipped in the package; on our
+    chat questions their first drafts are accepted far above chance (one in 4,096 draft
+    tokens), and greedy output equals plain decoding's."""
+    from specdec import SpecConfig
+    from specdec.drafters.heads import default_heads
+
+    if not (default_heads(kind) / "config.json").is_file():
+        pytest.fail(f"no {kind} heads shipped at {default_heads(kind)}")
+    params = SamplingParams(temperature=0, max_tokens=32)
+    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    plain = [o.token_ids for o in LLM().chat(conversations, params)]
+    spec = LLM(speculative=SpecConfig(kind, 4, adaptive=False))
+    assert [o.token_ids for o in spec.chat(conversations, params)] == plain
+    stats = spec.engine.verifier.stats
+    assert stats.acceptance_per_position[0] > 0.1, stats
