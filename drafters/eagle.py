@@ -39,7 +39,7 @@ from torch import nn
 
 from specdec.attention import AttentionMetadata
 from specdec.drafters.base import DrafterBase, FinishedStep
-from specdec.drafters.heads import DraftVocabHead, HeadsOptions, default_heads, load_heads
+from specdec.drafters.heads import DraftVocabHead, HeadsOptions, load_for_target
 from specdec.models.llama import DecoderLayer, ModelArchConfig, RMSNorm, Rope
 from specdec.sampling import next_tokens
 from specdec.sequence import Sequence
@@ -123,7 +123,9 @@ class EagleDrafter(DrafterBase):
     prior_acceptance = 0.6
     needs_token_hidden_states = True
 
-    def __init__(self, head: EagleHead, vocab: DraftVocabHead, target: LlamaForCausalLM, engine):  # noqa: ANN001
+    def __init__(
+        self, head: EagleHead, vocab: DraftVocabHead, target: LlamaForCausalLM, engine: Engine
+    ):
         self.head, self.vocab = head, vocab
         self.embed, self.rope = target.embed_tokens, target.rope  # the target's own: shared
         self.scheduler = engine.scheduler
@@ -143,13 +145,9 @@ class EagleDrafter(DrafterBase):
     @classmethod
     def build(cls, options: Any, engine: Engine, target: Any) -> EagleDrafter:
         model = engine.runner.model
-        dtype = model.embed_tokens.weight.dtype
-        config, weights = load_heads(options.heads or default_heads("eagle"), "eagle", dtype)
-        config.check_target(model.config)
-        head = EagleHead(model.config)
-        head.load_state_dict({n: t for n, t in weights.items() if n != "draft_vocab"})
-        head.to(dtype).eval().requires_grad_(False)
-        return cls(head, DraftVocabHead(model, weights["draft_vocab"]), model, engine)
+        head, vocab = load_for_target(options, "eagle", model, lambda c: EagleHead(model.config))
+        assert isinstance(head, EagleHead)
+        return cls(head, vocab, model, engine)
 
     def forget(self, seq: Sequence) -> None:
         self.written.pop(seq.seq_id, None)

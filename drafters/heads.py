@@ -106,6 +106,21 @@ def load_heads(
     return config, cast
 
 
+def load_for_target(
+    options: HeadsOptions, kind: str, model: Any, make: Any
+) -> tuple[torch.nn.Module, DraftVocabHead]:
+    """The ``kind`` heads ``options`` names (default: the shipped ones), checked against the
+    target ``model``, built by ``make(config)``, loaded frozen in the target's dtype; and the
+    target's output rows over their draft vocabulary."""
+    dtype = model.embed_tokens.weight.dtype
+    config, weights = load_heads(options.heads or default_heads(kind), kind, dtype)
+    config.check_target(model.config)
+    module = make(config)
+    module.load_state_dict({n: t for n, t in weights.items() if n != "draft_vocab"})
+    module.to(dtype).eval().requires_grad_(False)
+    return module, DraftVocabHead(model, weights["draft_vocab"])
+
+
 def default_heads(kind: str) -> Path:
     """The shipped heads of ``kind`` for the default model."""
     return DEFAULT_HEADS_DIR / kind

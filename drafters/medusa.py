@@ -24,13 +24,7 @@ import torch
 from torch import nn
 
 from specdec.drafters.base import DrafterBase, FinishedStep
-from specdec.drafters.heads import (
-    DraftVocabHead,
-    HeadsConfig,
-    HeadsOptions,
-    default_heads,
-    load_heads,
-)
+from specdec.drafters.heads import DraftVocabHead, HeadsConfig, HeadsOptions, load_for_target
 from specdec.sampling import next_tokens
 from specdec.sequence import Sequence
 
@@ -71,14 +65,9 @@ class MedusaDrafter(DrafterBase):
 
     @classmethod
     def build(cls, options: Any, engine: Engine, target: Any) -> MedusaDrafter:
-        model = engine.runner.model
-        dtype = model.embed_tokens.weight.dtype
-        config, weights = load_heads(options.heads or default_heads("medusa"), "medusa", dtype)
-        config.check_target(model.config)
-        heads = medusa_heads(config)
-        heads.load_state_dict({n: t for n, t in weights.items() if n != "draft_vocab"})
-        heads.to(dtype).eval().requires_grad_(False)
-        return cls(heads, DraftVocabHead(model, weights["draft_vocab"]))
+        heads, vocab = load_for_target(options, "medusa", engine.runner.model, medusa_heads)
+        assert isinstance(heads, MedusaHeads)
+        return cls(heads, vocab)
 
     @torch.inference_mode()
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [K, N, V]
@@ -121,9 +110,10 @@ def _last_rows(step: FinishedStep) -> dict[int, int]:
     the position whose logits gave its newest token (its last accepted draft's row)."""
     rows, start = {}, 0
     res, scheduled = step.result, step.scheduled
+    num_accepted = step.verification.num_accepted  # a list built per call: take it once
     for i, num_rows in zip(res.sample_indices, res.num_logit_rows):
         seq = scheduled.seqs[i]
-        accepted = step.verification.num_accepted[i]
+        accepted = num_accepted[i]
         if not seq.is_finished:
             rows[seq.seq_id] = start + accepted
         start += num_rows

@@ -22,7 +22,6 @@ finished heads go to ``OUT`` (drafters/heads.py's format). A loss and accuracy l
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -33,10 +32,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from specdec.config import SamplingParams
+from specdec.drafters.checkpoints import resume, save_checkpoint
 from specdec.drafters.eagle import EagleHead
 from specdec.drafters.heads import HeadsConfig, draft_vocabulary, output_rows, save_heads
 from specdec.drafters.medusa import MedusaHeads
@@ -284,7 +283,7 @@ def train(cfg: TrainConfig, llm: Any = None) -> Path:
     trainer = HeadsTrainer(cfg, target, draft_vocabulary(counts, cfg.draft_vocab_size))
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     optimizer = torch.optim.AdamW(trainer.module.parameters(), lr=cfg.lr, weight_decay=0.0)
-    step = _resume(out / "checkpoints", trainer.module, optimizer)
+    step = resume(out / "checkpoints", trainer.module, optimizer)
     module, optimizer = accelerator.prepare(trainer.module, optimizer)
     rng = random.Random(cfg.seed)
     schedule: list[list[int]] = []
@@ -326,7 +325,7 @@ def train(cfg: TrainConfig, llm: Any = None) -> Path:
             }
             log.write(json.dumps(record) + "\n")
             log.flush()
-            _save_checkpoint(out / "checkpoints", done, trainer.module, optimizer)
+            save_checkpoint(out / "checkpoints", done, trainer.module, optimizer)
     log.close()
     config = HeadsConfig.for_target(
         cfg.kind,
@@ -366,52 +365,3 @@ def _load_or_generate_corpus(llm: Any, cfg: TrainConfig, path: Path) -> list[lis
     corpus = generate_corpus(llm, cfg)
     path.write_text(json.dumps(corpus), encoding="utf-8")
     return corpus
-
-
-def _save_checkpoint(
-    directory: Path, step: int, module: nn.Module, optimizer: torch.optim.Optimizer
-) -> None:
-    """Heads and AdamW moments as safetensors, the step in ``state.json``; the two latest kept."""
-    path = directory / f"step-{step:06d}"
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(
-        {n: t.detach().contiguous() for n, t in module.state_dict().items()},
-        str(path / "heads.safetensors"),
-    )
-    moments = {}
-    for i, param in enumerate(p for g in optimizer.param_groups for p in g["params"]):
-        state = optimizer.state.get(param, {})
-        for name in ("exp_avg", "exp_avg_sq"):
-            if name in state:
-                moments[f"{i}.{name}"] = state[name].contiguous()
-        if "step" in state:
-            moments[f"{i}.step"] = torch.as_tensor(state["step"], dtype=torch.float64).reshape(1)
-    save_file(moments, str(path / "optimizer.safetensors"))
-    (path / "state.json").write_text(json.dumps({"step": step}) + "\n", encoding="utf-8")
-    for old in sorted(directory.glob("step-*"))[:-2]:
-        for file in old.iterdir():
-            file.unlink()
-        old.rmdir()
-
-
-def _resume(directory: Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Load the latest checkpoint under ``directory`` into ``module`` and ``optimizer``; return
-    its step (0 when there is none)."""
-    done = sorted(p for p in directory.glob("step-*") if (p / "state.json").is_file())
-    if not done:
-        return 0
-    path = done[-1]
-    module.load_state_dict(load_file(str(path / "heads.safetensors")))
-    moments = load_file(str(path / "optimizer.safetensors"))
-    for i, param in enumerate(p for g in optimizer.param_groups for p in g["params"]):
-        if f"{i}.exp_avg" in moments:
-            optimizer.state[param] = {
-                "step": moments[f"{i}.step"].reshape(()).float(),
-                "exp_avg": moments[f"{i}.exp_avg"],
-                "exp_avg_sq": moments[f"{i}.exp_avg_sq"],
-            }
-    return int(json.loads((path / "state.json").read_text(encoding="utf-8"))["step"])
-
-
-def config_fields() -> list[dataclasses.Field]:
-    return list(dataclasses.fields(TrainConfig))
