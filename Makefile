@@ -29,13 +29,13 @@ test: lint
 	$(BIN)/python -m pytest -q
 
 demo: install
-	$(BIN)/specdec generate --max-tokens 48 \
+	$(BIN)/specdec generate --max-tokens 48 --drafter prompt_lookup --stats \
 		"What is speculative decoding?" \
-		"Write a haiku about the sea." \
 		"List three prime numbers."
+	$(BIN)/specdec bench --quick
 
 bench: install
-	$(BIN)/python -m specdec.eval.bench_runtime
+	$(BIN)/specdec bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -2,10 +2,14 @@
 
 1. *Corpus.* Our own engine answers the training prompts (a JSONL file read through
    ``datasets``; by default ``eval/prompts/train_heads.jsonl``, kept apart from every evaluation
-   set) with continuous batching, so the heads learn the target's own outputs. The token ids are
-   saved in the output directory and reused on resume.
-2. *Features.* The target's final hidden state at every position of every sequence, from the
-   engine's own forward (the features the drafter will see at run time).
+   set) with continuous batching, so the heads learn the target's own outputs, until
+   ``max_train_tokens``; the prompts left over join the corpus unanswered (their prefill is
+   cheap, and the target's prediction at each of their positions is a label like any other).
+   The token ids are saved in the output directory and reused on resume.
+2. *Features and labels.* The target's final hidden state at every position of every sequence,
+   from the engine's own forward (the features the drafter will see at run time), and the
+   target's greedy next token there: the label every head learns, on prompt positions as on
+   responses (on a greedy response it is the response's next token).
 3. *Training* (through ``accelerate``: the CPU here, a GPU where there is one) with the target
    frozen. Medusa head ``i`` learns ``x[t + 1 + i]`` from ``f[t]`` (cross-entropy, weighted
    ``0.8 ** i`` as in Medusa). EAGLE learns ``f[p]`` from ``(x[p], f[p - 1])``: a smooth-L1
@@ -54,7 +58,8 @@ class TrainConfig:
     model: str | os.PathLike | None = None  # the target (None: the embedded default)
     dtype: str = "float32"  # the target's dtype while it writes the corpus and its features
     data: str | os.PathLike = DEFAULT_DATA  # training prompts, JSONL ("prompt" or "messages")
-    max_train_tokens: int = 200_000  # corpus size, prompt + response tokens
+    max_train_tokens: int = 200_000  # answered part of the corpus, prompt + response tokens
+    unanswered: bool = True  # the prompts left over join the corpus without a response
     max_new_tokens: int = 128  # response length per prompt
     max_steps: int = 1500  # optimizer steps
     batch_tokens: int = 4096  # tokens per optimizer step (padded)
@@ -111,17 +116,24 @@ def generate_corpus(llm: Any, cfg: TrainConfig) -> list[list[int]]:
             total += len(corpus[-1])
         print(f"corpus: {len(corpus)} sequences, {total} tokens", flush=True)
         if total >= cfg.max_train_tokens:
+            if cfg.unanswered:
+                rest = conversations[start + batch :]
+                corpus += [llm.apply_chat_template(c) for c in rest]
+                print(f"corpus: {len(rest)} prompts more, unanswered", flush=True)
             break
     return corpus
 
 
 def target_features(
     llm: Any, corpus: list[list[int]], batch_tokens: int = 2048
-) -> list[torch.Tensor]:
-    """The target's final hidden state at every position of each sequence, ``[T, H]`` each,
-    from the engine's own forward (on blocks of its KV pool: no request may be running)."""
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The target's final hidden state at every position of each sequence (``[T, H]`` each)
+    and its greedy next token there (``[T]``), from the engine's own forward (on blocks of its
+    KV pool: no request may be running)."""
     runner = llm.engine.runner
-    bs, features = runner.block_size, []
+    bs = runner.block_size
+    features: list[torch.Tensor] = []
+    labels: list[torch.Tensor] = []
     num_blocks = runner.k_caches[0].shape[0]
     batch: list[list[int]] = []
 
@@ -132,7 +144,13 @@ def target_features(
             next_block += len(blocks)
             chunks.append(QueryChunk(seq, 0, blocks, 0))
         hidden = runner.forward(chunks)[2]
-        features.extend(hidden.split([len(s) for s in batch]))
+        with torch.inference_mode():  # [N, V] logits 512 rows at a time
+            greedy = torch.cat(
+                [runner.model.compute_logits(h).argmax(-1) for h in hidden.split(512)]
+            )
+        sizes = [len(s) for s in batch]
+        features.extend(f.float().clone() for f in hidden.split(sizes))
+        labels.extend(g.clone() for g in greedy.split(sizes))
         batch.clear()
 
     for seq in corpus:
@@ -142,7 +160,7 @@ def target_features(
         batch.append(seq)
     if batch:
         flush()
-    return [f.float().clone() for f in features]
+    return features, labels
 
 
 class HeadsTrainer:
@@ -180,11 +198,12 @@ class HeadsTrainer:
         return self.cfg.num_heads if self.cfg.kind == "medusa" else 2
 
     def losses(
-        self, ids: torch.Tensor, feats: torch.Tensor, mask: torch.Tensor
+        self, ids: torch.Tensor, feats: torch.Tensor, greedy: torch.Tensor, mask: torch.Tensor
     ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-        """The loss of a padded batch (``ids`` [B, T], ``feats`` [B, T, H], ``mask`` [B, T]) and
-        per draft position (correct, counted) top-1 guesses of the target's next token."""
-        labels = self.to_draft[ids].masked_fill(~mask, -100)  # [B, T] draft index of x[p]
+        """The loss of a padded batch (``ids``, the target's greedy next tokens ``greedy`` and
+        ``mask`` [B, T], ``feats`` [B, T, H]) and per draft position (correct, counted) top-1
+        guesses of the target's next token."""
+        labels = self.to_draft[greedy].masked_fill(~mask, -100)  # [B, T] draft index
         if self.cfg.kind == "medusa":
             return self._medusa(feats, labels)
         return self._eagle(ids, feats, mask, labels)
@@ -193,8 +212,8 @@ class HeadsTrainer:
         total, hits = feats.new_zeros(()), []
         outputs = self.module(feats)  # [K, B, T, H]
         for i, out in enumerate(outputs, start=1):  # head i guesses x[t + 1 + i] from f[t]
-            logits = out[:, : -(i + 1)] @ self.vocab_rows.T  # [B, T - i - 1, Vd]
-            target = labels[:, i + 1 :]
+            logits = out[:, :-i] @ self.vocab_rows.T  # [B, T - i, Vd]
+            target = labels[:, i:]  # the target's guess of x[t + 1 + i], made at t + i
             total = total + 0.8**i * _cross_entropy(logits, target)
             hits.append(_hits(logits, target))
         return total, hits
@@ -210,8 +229,8 @@ class HeadsTrainer:
         assert isinstance(head, EagleHead)
         for _ in range(2):  # the real features, then the head's own (its later drafts' case)
             out = head.forward_train(embeds, inputs, cos, sin)  # guesses of f[p]
-            logits = out[:, :-1] @ self.vocab_rows.T  # [B, T - 1, Vd]: guesses of x[p + 1]
-            target = labels[:, 1:]
+            logits = out @ self.vocab_rows.T  # [B, T, Vd]: guesses of x[p + 1]
+            target = labels
             weight = mask.float()  # [B, T]; the regression is a mean over the hidden size
             regression = F.smooth_l1_loss(out, feats, reduction="none").mean(-1)
             regression = (regression * weight).sum() / weight.sum().clamp(min=1)
@@ -244,16 +263,23 @@ def _batches(lengths: list[int], batch_tokens: int, rng: random.Random) -> list[
     return batches
 
 
-def _pad(corpus: list[list[int]], features: list[torch.Tensor], batch: list[int]):  # noqa: ANN202
+def _pad(  # noqa: ANN202
+    corpus: list[list[int]],
+    features: list[torch.Tensor],
+    greedy: list[torch.Tensor],
+    batch: list[int],
+):
     longest = max(len(corpus[i]) for i in batch)
     hidden = features[batch[0]].shape[1]
     ids = torch.zeros(len(batch), longest, dtype=torch.long)
+    labels = torch.zeros(len(batch), longest, dtype=torch.long)
     feats = torch.zeros(len(batch), longest, hidden)
     mask = torch.zeros(len(batch), longest, dtype=torch.bool)
     for row, i in enumerate(batch):
         n = len(corpus[i])
-        ids[row, :n], feats[row, :n], mask[row, :n] = torch.tensor(corpus[i]), features[i], True
-    return ids, feats, mask
+        ids[row, :n], labels[row, :n] = torch.tensor(corpus[i]), greedy[i]
+        feats[row, :n], mask[row, :n] = features[i], True
+    return ids, feats, labels, mask
 
 
 def train(cfg: TrainConfig, llm: Any = None) -> Path:
@@ -275,11 +301,9 @@ def train(cfg: TrainConfig, llm: Any = None) -> Path:
         raise ValueError(
             f"the corpus has {len(corpus)} sequences: too few to hold {cfg.held_out} out"
         )
-    features = target_features(llm, train_set)
-    held_features = target_features(llm, held_out)
-    counts = torch.bincount(
-        torch.tensor([t for s in train_set for t in s]), minlength=target.config.vocab_size
-    )
+    features, greedy = target_features(llm, train_set)
+    held_features, held_greedy = target_features(llm, held_out)
+    counts = torch.bincount(torch.cat(greedy), minlength=target.config.vocab_size)
     trainer = HeadsTrainer(cfg, target, draft_vocabulary(counts, cfg.draft_vocab_size))
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     optimizer = torch.optim.AdamW(trainer.module.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -305,7 +329,7 @@ def train(cfg: TrainConfig, llm: Any = None) -> Path:
         )
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss, hits = trainer.losses(*_pad(train_set, features, schedule[step]))
+        loss, hits = trainer.losses(*_pad(train_set, features, greedy, schedule[step]))
         optimizer.zero_grad()
         accelerator.backward(loss)
         accelerator.clip_grad_norm_(module.parameters(), 1.0)
@@ -314,7 +338,7 @@ def train(cfg: TrainConfig, llm: Any = None) -> Path:
         bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{hits[0][0] / max(1, hits[0][1]):.2f}")
         done = step + 1
         if done % cfg.save_every == 0 or done == cfg.max_steps:
-            held_loss, accuracy = evaluate(trainer, held_out, held_features)
+            held_loss, accuracy = evaluate(trainer, held_out, held_features, held_greedy)
             record = {
                 "step": done,
                 "loss": loss.item(),
@@ -343,7 +367,10 @@ def train(cfg: TrainConfig, llm: Any = None) -> Path:
 
 @torch.no_grad()
 def evaluate(
-    trainer: HeadsTrainer, corpus: list[list[int]], features: list[torch.Tensor]
+    trainer: HeadsTrainer,
+    corpus: list[list[int]],
+    features: list[torch.Tensor],
+    greedy: list[torch.Tensor],
 ) -> tuple[float, list[float]]:
     """The mean loss and the top-1 accuracy per draft position on ``corpus`` (held out)."""
     trainer.module.eval()
@@ -351,7 +378,7 @@ def evaluate(
     counted = [0] * trainer.num_positions
     total = 0.0
     for i in range(len(corpus)):
-        loss, hits = trainer.losses(*_pad(corpus, features, [i]))
+        loss, hits = trainer.losses(*_pad(corpus, features, greedy, [i]))
         total += float(loss)
         for j, (c, n) in enumerate(hits):
             correct[j], counted[j] = correct[j] + c, counted[j] + n

@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 from specdec import LLM, SamplingParams
-from specdec.eval.prompts import STYLES, conversation, load_prompts
+from specdec.eval.bench.systems import LlamaCpp
+from specdec.eval.questions import by_category, read_questions
 from specdec.kernels import cpu_ops
 from specdec.verifier import SpecStats
 
@@ -69,29 +70,6 @@ PLAIN_OF = {  # whose plain decoding each must equal
 }
 QUANTIZATIONS = ("int8", "int4", "w8a8", "w4a8")  # whose quality is measured
 SPECULATIVE = [name for name, options in ENGINES.items() if "speculative" in options]
-
-
-class LlamaCpp:
-    """llama.cpp on the default model's GGUF file, greedy, fed token ids."""
-
-    def __init__(self) -> None:
-        from llama_cpp import Llama  # type: ignore[import-not-found]
-
-        from specdec.loader import _default_gguf_path
-
-        threads = torch.get_num_threads()
-        self.model = Llama(
-            str(_default_gguf_path()), n_ctx=4096, n_threads=threads, verbose=False, seed=0
-        )
-
-    def generate(self, prompt: list[int], max_tokens: int) -> list[int]:
-        self.model.reset()
-        tokens: list[int] = []
-        for token in self.model.generate(prompt, temp=0.0, top_k=1, reset=True):
-            tokens.append(int(token))
-            if len(tokens) == max_tokens:
-                break
-        return tokens
 
 
 def build_systems() -> tuple[dict[str, Any], list[str]]:
@@ -265,9 +243,9 @@ def main() -> None:
     cpu_ops.extension()  # built (or loaded) here, untimed
     systems, notes = build_systems()
     llm = systems["float32"]
-    records = [r for style in STYLES for r in load_prompts(style)[:per_style]]
-    styles = [style for style in STYLES for _ in load_prompts(style)[:per_style]]
-    prompts = [llm.apply_chat_template(conversation(r)) for r in records]
+    groups = by_category(read_questions(), per_style)
+    styles = [category for category, questions in groups.items() for _ in questions]
+    prompts = [llm.apply_chat_template(q.conversation()) for qs in groups.values() for q in qs]
     with torch.inference_mode():
         speed(systems, prompts[:1], 8)  # warm every system up
         for llm_system in systems.values():

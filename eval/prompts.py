@@ -1,4 +1,6 @@
-"""Prompt sets shipped with specdec (``eval/prompts/*.jsonl``, written for this project).
+"""Prompt sets shipped with specdec (``eval/prompts/*.jsonl``, written for this project): the
+32-request runtime mix, the draft model's distillation prompts and the heads' training prompts.
+The benchmark's questions are in ``eval/data`` (see :mod:`specdec.eval.questions`).
 
 Each line of a set is one record: ``{"prompt": str, "max_tokens": int}``, a single user turn, or
 ``{"messages": [{"role": str, "content": str}, ...], "max_tokens": int}``, a conversation whose
@@ -14,8 +16,6 @@ from typing import Any
 from specdec.llm import Conversation
 
 PROMPT_DIR = Path(__file__).parent / "prompts"
-STYLES = ("summarization", "retrieval", "code_editing", "chat", "math", "translation")
-"""The prompt styles the speculation benchmark reports on, one set each."""
 ROLES = ("system", "user", "assistant")
 
 

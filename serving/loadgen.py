@@ -106,7 +106,7 @@ class LoadReport:
             "output_tokens_per_s": tokens / self.duration_s,
         }
         for name, values in (("ttft", ttft), ("itl", itl), ("latency", latency)):
-            for q in (50, 99):
+            for q in (50, 90, 99):
                 figures[f"{name}_p{q}_ms"] = 1000 * percentile(values, q)
         return figures
 
@@ -119,7 +119,8 @@ class LoadReport:
         ]
         for name, label in (("ttft", "TTFT"), ("itl", "inter-token"), ("latency", "latency")):
             lines.append(
-                f"{label:<12} p50 {s[f'{name}_p50_ms']:8.1f} ms   p99 {s[f'{name}_p99_ms']:8.1f} ms"
+                f"{label:<12} p50 {s[f'{name}_p50_ms']:8.1f} ms   p90 {s[f'{name}_p90_ms']:8.1f} ms   "
+                f"p99 {s[f'{name}_p99_ms']:8.1f} ms"
             )
         lines += [f"error: {e}" for e in self.errors[:5]]
         return "\n".join(lines)
@@ -163,10 +164,13 @@ def make_plans(config: LoadConfig) -> list[RequestPlan]:
     return plans
 
 
-async def send(client: httpx.AsyncClient, plan: RequestPlan) -> RequestRecord:
-    """Send one request and check that its response is complete."""
+async def send(
+    client: httpx.AsyncClient, plan: RequestPlan, start: float | None = None
+) -> RequestRecord:
+    """Send one request and check that its response is complete; ``start``: the time its
+    latencies count from (default: now)."""
     record = RequestRecord(streamed=plan.stream)
-    start = time.perf_counter()
+    start = time.perf_counter() if start is None else start
     try:
         if plan.stream:
             finish_reason = await _read_stream(client, plan, record, start)
@@ -239,6 +243,27 @@ async def _sse_data(response: httpx.Response) -> AsyncIterator[str]:
                 yield line[len("data: ") :].rstrip("\r")
 
 
+async def run_arrivals(
+    config: LoadConfig, plans: list[RequestPlan], arrivals: list[float]
+) -> LoadReport:
+    """Open loop: send ``plans[i]`` ``arrivals[i]`` seconds after the start, whether or not
+    earlier requests have finished (at most ``config.concurrency`` connections); each request's
+    TTFT and latency are counted from its arrival time, so waiting for a connection counts."""
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    limits = httpx.Limits(max_connections=config.concurrency)
+    async with httpx.AsyncClient(
+        base_url=config.url, headers=headers, timeout=config.timeout_s, limits=limits
+    ) as client:
+        start = time.perf_counter()
+
+        async def one(plan: RequestPlan, at: float) -> RequestRecord:
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            return await send(client, plan, start + at)
+
+        records = await asyncio.gather(*(one(p, at) for p, at in zip(plans, arrivals)))
+        return LoadReport(list(records), time.perf_counter() - start)
+
+
 async def run_load(config: LoadConfig) -> LoadReport:
     """Send ``config.num_requests`` requests, at most ``config.concurrency`` at a time."""
     plans = make_plans(config)
@@ -274,7 +299,7 @@ async def run_load(config: LoadConfig) -> LoadReport:
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 def main(as_json: bool, **options: object) -> None:
-    """Load a running server and print throughput and p50/p99 TTFT and inter-token latency."""
+    """Load a running server and print throughput and p50/p90/p99 TTFT and inter-token latency."""
     report = asyncio.run(run_load(LoadConfig(**options)))  # type: ignore[arg-type]
     click.echo(json.dumps(report.summary(), indent=2) if as_json else report.format())
 

@@ -104,6 +104,12 @@ class BlockManager:
         seq.block_hashes.clear()
         seq.num_computed_tokens = 0
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block that no sequence holds (vLLM's ``reset_prefix_cache``), so
+        that later requests compute their prompts anew: benchmarks that replay prompts use it."""
+        for block_id in self.free_blocks:
+            self._forget_hash(block_id)
+
     def hash_block(self, parent: int | None, token_ids: list[int], index: int) -> int:
         start = index * self.block_size
         return hash((parent, tuple(token_ids[start : start + self.block_size])))

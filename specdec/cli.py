@@ -117,7 +117,13 @@ def spec_summary(llm: Any) -> str:
     default=200_000,
     show_default=True,
     type=int,
-    help="Corpus size: prompt + response tokens the target writes.",
+    help="Answered corpus: prompt + response tokens the target writes.",
+)
+@click.option(
+    "--unanswered/--answered-only",
+    default=True,
+    show_default=True,
+    help="Keep the prompts left over past --max-train-tokens, without a response.",
 )
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--batch-tokens", default=4096, show_default=True, type=int)
@@ -138,6 +144,102 @@ def train_heads(data: str | None, **options: Any) -> None:
     except (ValueError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from e
     click.echo(f"{config.kind} heads written to {out}")
+
+
+def _split(value: str | None, kind: type = str) -> tuple[Any, ...] | None:
+    if not value:
+        return None
+    try:
+        return tuple(kind(v.strip()) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise click.BadParameter(
+            f"expected comma-separated {kind.__name__}s, got {value!r}"
+        ) from None
+
+
+@main.command()
+@click.option("--model", default=None, help="The target (default: the embedded SmolLM2-135M).")
+@click.option(
+    "--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"])
+)
+@click.option("--dataset", default=None, help="Spec-Bench-format JSONL (default: ours).")
+@click.option("--categories", default=None, help="Comma-separated (default: all in the dataset).")
+@click.option("--questions-per-category", type=int, default=None, help="Default: all.")
+@click.option(
+    "--max-new-tokens",
+    default=None,
+    type=int,
+    help="Per turn (default: each question's max_tokens, else 128; --quick: 32).",
+)
+@click.option(
+    "--max-turns", default=None, type=int, help="Turns played per question (default: all)."
+)
+@click.option("--drafters", default=None, help="Comma-separated (default: every one available).")
+@click.option("--k", "ks", default="8", show_default=True, help="k to try, comma-separated.")
+@click.option(
+    "--adaptive/--fixed-k",
+    default=True,
+    show_default=True,
+    help="Let the policy draft fewer than k where drafting does not pay.",
+)
+@click.option("--draft-model", default=None, help="A draft model, for draft_model.")
+@click.option("--eagle-heads", default=None, help="EAGLE heads (default: the shipped ones).")
+@click.option("--medusa-heads", default=None, help="Medusa heads (default: the shipped ones).")
+@click.option(
+    "--modes",
+    default="offline,load",
+    show_default=True,
+    help="Comma-separated, of offline, load, runtime, kernels.",
+)
+@click.option("--no-hf", is_flag=True, help="Skip transformers generate.")
+@click.option("--no-peers", is_flag=True, help="Skip llama.cpp.")
+@click.option("--rates", default=None, help="Requests/s, comma-separated (default: relative).")
+@click.option("--requests-per-rate", default=16, show_default=True, type=int)
+@click.option("--load-max-tokens", default=64, show_default=True, type=int)
+@click.option("--url", default=None, help="Load a running specdec serve instead.")
+@click.option("--api-key", envvar="SPECDEC_API_KEY", default=None)
+@click.option("--out", default="eval/results/bench", show_default=True)
+@click.option("--quick", is_flag=True, help="1 question per category, short outputs (~3 min).")
+@click.option("--seed", default=0, show_default=True, type=int)
+def bench(
+    categories: str | None,
+    drafters: str | None,
+    ks: str,
+    eagle_heads: str | None,
+    medusa_heads: str | None,
+    modes: str,
+    no_hf: bool,
+    no_peers: bool,
+    rates: str | None,
+    dataset: str | None,
+    **options: Any,
+) -> None:
+    """Which drafter, with which k, makes this workload faster, alone and under load: a
+    report (bench.json, bench.md, plots in --out) and a recommendation."""
+    from specdec.eval.bench import BenchConfig, report, run_bench
+
+    heads = {k: v for k, v in (("eagle", eagle_heads), ("medusa", medusa_heads)) if v}
+    if dataset:
+        options["dataset"] = dataset
+    try:
+        config = BenchConfig(
+            categories=_split(categories),
+            drafters=_split(drafters),
+            ks=_split(ks, int) or (8,),
+            heads=heads,
+            modes=_split(modes) or (),
+            with_hf=not no_hf,
+            peers=not no_peers,
+            rates=_split(rates, float),
+            **options,
+        )
+        result = run_bench(config)
+    except (ValueError, FileNotFoundError) as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(report.markdown(result))
+    click.echo(f"results: {config.out}/bench.json, bench.md, " + ", ".join(result["plots"]))
+    if result["failed"]:
+        raise click.ClickException("a drafter's greedy output differs from plain decoding")
 
 
 main.add_command(serve)

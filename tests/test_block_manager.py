@@ -79,3 +79,20 @@ def test_different_prefixes_do_not_share_blocks():
     bm.free(a)
     bm.free(b)
     assert bm.num_free_blocks == 8
+
+
+def test_reset_prefix_cache_forgets_free_blocks_and_keeps_held_ones():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    held, freed = make_seq(list(range(9))), make_seq(list(range(100, 109)), seq_id=1)
+    for seq in (held, freed):
+        bm.allocate(seq, 9)
+        seq.num_computed_tokens = 9
+        bm.register_full_blocks(seq)
+    bm.free(freed)
+    bm.reset_prefix_cache()
+    again = make_seq(list(range(100, 109)), seq_id=2)
+    bm.match_prefix(again)
+    assert again.block_table == [] and again.num_computed_tokens == 0
+    twin = make_seq(list(range(9)), seq_id=3)
+    bm.match_prefix(twin)  # `held` still holds its blocks: they stay shared
+    assert twin.block_table == held.block_table[:2]

@@ -109,13 +109,12 @@ def test_bf16_speculation_is_exact(hf_model):
     bf16 rounding flips near-tied argmaxes as soon as a row's bits depend on the step around
     it; before the batch-invariant kernels most of these prompts diverged within 80 tokens.
     """
-    from specdec.eval.prompts import conversation, load_prompts
+    from specdec.eval.questions import by_category, read_questions
 
-    records = [
-        r for s in ("summarization", "retrieval", "code_editing") for r in load_prompts(s)[:2]
-    ]
+    groups = by_category(read_questions(), 2)
+    records = [q for c in ("summarization", "rag", "code_editing") for q in groups[c]]
     plain = LLM(dtype="bfloat16", num_kv_blocks=256)
-    prompts = [plain.apply_chat_template(conversation(r)) for r in records]
+    prompts = [plain.apply_chat_template(q.conversation()) for q in records]
     params = SamplingParams(temperature=0, max_tokens=64)
     expected = [plain.generate([p], params)[0].token_ids for p in prompts]
     spec = LLM(

@@ -72,7 +72,7 @@ def log(directory: Path) -> list[dict]:
 def test_training_lowers_the_held_out_loss(trained, kind):
     records = log(trained[kind])
     assert [r["step"] for r in records] == [10, 20, 30, 40]
-    assert records[-1]["held_out_loss"] < 0.8 * records[0]["held_out_loss"]
+    assert records[-1]["held_out_loss"] < 0.9 * records[0]["held_out_loss"]
     assert records[-1]["held_out_accuracy"][0] > 0.3  # first draft position, top-1
 
 

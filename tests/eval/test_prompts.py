@@ -5,7 +5,7 @@ import json
 import pytest
 
 from specdec.eval import prompts
-from specdec.eval.prompts import STYLES, check_record, conversation, load_prompts
+from specdec.eval.prompts import check_record, conversation, load_prompts
 
 CHAT = {
     "messages": [
@@ -86,14 +86,5 @@ def test_an_unknown_set_lists_the_known_ones():
         load_prompts("nope")
 
 
-@pytest.mark.parametrize("style", STYLES)
-def test_every_style_ships_at_least_20_valid_records(style):
-    assert len(load_prompts(style)) >= 20
-
-
 def test_the_runtime_mix_has_32_valid_requests():
     assert len(load_prompts("runtime")) == 32
-
-
-def test_the_chat_set_is_multi_turn():
-    assert all(len(conversation(r)) > 1 for r in load_prompts("chat"))

@@ -148,3 +148,20 @@ def test_soak_command(served):
     assert "20 requests:" in result.output and "PASS" in result.output
     refused = CliRunner().invoke(soak.main, [*args, "--disconnect-fraction", "0.9"])
     assert refused.exit_code == 2 and "only streamed requests can hang up" in refused.output
+
+
+def test_open_loop_arrivals_reach_a_running_server(served):
+    """specdec bench --url: streamed chat requests sent at their arrival times, whatever is in
+    flight; each complete, with its latencies counted from its arrival."""
+    from specdec.eval.bench.load import arrival_times, run_over_http
+
+    requests = [([{"role": "user", "content": f"hello {i}"}], 5) for i in range(6)]
+    arrivals = arrival_times(50.0, len(requests), seed=1)
+    report = run_over_http(served.url, requests, arrivals)
+    assert report.errors == []
+    summary = report.summary()
+    assert summary["requests_ok"] == 6
+    assert 0 < summary["ttft_p50_ms"] <= summary["ttft_p90_ms"] <= summary["ttft_p99_ms"]
+    assert all(r.completion_tokens == 5 for r in report.records)
+    assert report.duration_s >= arrivals[-1]
+    served.wait_until_idle()

@@ -1,7 +1,6 @@
-"""Runtime benchmark: specdec vs transformers on the default model, side by side in one run.
+"""Runtime mode: the engine's own speed against transformers, without speculation.
 
-    python -m specdec.eval.bench_runtime [--dtype float32 --dtype bfloat16] [--quick]
-        [--no-batch-invariant]
+    specdec bench --modes runtime [--dtype float32] [--quick]
 
 For each dtype it reports, as ratios measured in this one process:
 
@@ -18,17 +17,14 @@ those. The fused CPU kernels are built and every system generates once before an
 so no one-time cost (a build, an import, a first call) enters a figure. bfloat16 runs on
 batch-invariant kernels, the engine's default there (exact speculation, see
 ``specdec/attention.py``); ``--no-batch-invariant`` measures the faster kernels without that
-guarantee. Results go to ``eval/results/runtime.{json,md}``.
+guarantee.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
@@ -36,8 +32,6 @@ from specdec import LLM, SamplingParams
 from specdec.eval.prompts import conversation, load_prompts
 from specdec.kernels import cpu_ops
 from specdec.models.hugepages import huge_page_buffer, huge_pages_available
-
-RESULTS = Path("eval/results")
 
 
 def stream_read_gbps(num_bytes: int = 2**30, repeats: int = 5) -> float:
@@ -225,25 +219,3 @@ def markdown(results: list[dict]) -> str:
         f"{mix['useful_tokens']} output tokens in all."
     )
     return "\n".join(lines) + "\n"
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtype", action="append", choices=["float32", "bfloat16"])
-    parser.add_argument("--quick", action="store_true", help="8 short requests, one repeat")
-    parser.add_argument(
-        "--no-batch-invariant", action="store_true", help="bf16 without batch-invariant kernels"
-    )
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
-    invariant = False if args.no_batch_invariant else None
-    results = [run_dtype(d, args.quick, invariant) for d in args.dtype or ["float32", "bfloat16"]]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "runtime.json").write_text(json.dumps(results, indent=2))
-    table = markdown(results)
-    (args.out / "runtime.md").write_text(table)
-    print(table)
-
-
-if __name__ == "__main__":
-    main()

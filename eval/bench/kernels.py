@@ -1,9 +1,9 @@
-"""Micro-benchmark of verification: the fused Triton kernel against the torch reference.
+"""The verification kernel's micro-benchmark: the fused Triton kernel against the torch reference.
 
-    python -m specdec.eval.bench_rejection [--batch 64] [--k 8] [--vocab 49152] [--interpret]
-
-On CUDA both implementations run. On CPU only the torch reference is timed, unless --interpret
-runs the kernel in Triton's interpreter too (exact, but its speed says nothing about the GPU).
+``specdec bench --modes kernels [--kernel-batch 64 --kernel-k 8 --kernel-vocab 49152]``. On CUDA
+both implementations run. On CPU only the torch reference is timed, unless Triton's interpreter
+was chosen (``TRITON_INTERPRET=1`` in the environment): then the kernel is timed too (exact, but
+its speed says nothing about a GPU).
 
 Bandwidth: the bytes of the rows verification must read (one vocabulary pass per random sequence
 over p, the race noise, and q if a draft was rejected; one pass over p per greedy position
@@ -13,27 +13,14 @@ a streaming read (``target_probs.sum()``) timed in the same run.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
-
-
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch", type=int, default=64, help="sequences B")
-    parser.add_argument("--k", type=int, default=8, help="drafts per sequence")
-    parser.add_argument("--vocab", type=int, default=49152, help="vocabulary size V")
-    parser.add_argument("--greedy-fraction", type=float, default=0.0, help="share of greedy rows")
-    parser.add_argument("--repeats", type=int, default=20, help="timed calls (median reported)")
-    parser.add_argument("--interpret", action="store_true", help="on CPU, also time the kernel")
-    return parser.parse_args()
-
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -88,45 +75,62 @@ def rows_read(inputs: Inputs, num_accepted: torch.Tensor) -> int:
     return greedy_passes * row_p + random_rows * (row_p + row_noise) + rejected * row_q
 
 
-def main() -> None:
-    args = parse_args()
+def run_kernels(
+    batch: int = 64, k: int = 8, vocab: int = 49152, greedy_fraction: float = 0.0, repeats: int = 20
+) -> dict[str, Any]:
+    """Time verification of ``batch`` sequences with ``k`` drafts each over ``vocab`` tokens."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    backends = ["torch", "triton"] if device.type == "cuda" or args.interpret else ["torch"]
-    if device.type != "cuda" and args.interpret and os.environ.get("TRITON_INTERPRET") != "1":
-        # The interpreter is chosen when triton is first imported, and importing specdec does.
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        os.execve(sys.executable, [sys.executable, "-m", __spec__.name, *sys.argv[1:]], env)
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    backends = ["torch", "triton"] if device.type == "cuda" or interpret else ["torch"]
     from specdec.verify import VerifyOutput, draw_uniforms, rejection_sample
 
     torch.manual_seed(0)
-    inputs = make_inputs(args.batch, args.k, args.vocab, args.greedy_fraction, device)
-    uniforms = draw_uniforms(inputs[1], inputs[4], args.vocab)
+    inputs = make_inputs(batch, k, vocab, greedy_fraction, device)
+    uniforms = draw_uniforms(inputs[1], inputs[4], vocab)
 
     def verify(backend: str) -> VerifyOutput:  # the same inputs and randomness for every backend
         return rejection_sample(*inputs, uniforms=uniforms, backend=backend)
 
     num_accepted = verify("torch").num_accepted
     read = rows_read(inputs, num_accepted)
-    stream = time_call(lambda: inputs[3].sum(), args.repeats, device)
+    stream = time_call(lambda: inputs[3].sum(), repeats, device)
     stream_rate = inputs[3].numel() * inputs[3].element_size() / stream
-    print(f"verify B={args.batch} k={args.k} V={args.vocab} float32 on {device}")
-    print(f"drafts accepted per sequence: {num_accepted.float().mean():.2f} of {args.k}")
-    print(f"bytes of the rows verification must read: {read / 1e6:.1f} MB")
-    print(f"streaming read (target_probs.sum()): {stream_rate / 1e9:.1f} GB/s")
-    seconds = {}
+    result: dict[str, Any] = {
+        "batch": batch,
+        "k": k,
+        "vocab": vocab,
+        "device": device.type,
+        "mean_accepted": round(float(num_accepted.float().mean()), 3),
+        "bytes_read": read,
+        "stream_read_gb_s": round(stream_rate / 1e9, 2),
+    }
     for backend in backends:
-        repeats = args.repeats if backend == "torch" or device.type == "cuda" else 2
-        seconds[backend] = time_call(functools.partial(verify, backend), repeats, device)
-        rate = read / seconds[backend]
-        print(
-            f"{NAMES[backend]:>16}: {seconds[backend] * 1e3:9.3f} ms, "
-            f"{rate / 1e9:6.1f} GB/s = {rate / stream_rate:6.1%} of streaming"
-        )
-    if "triton" in seconds:
-        print(f"time ratio kernel / reference: {seconds['triton'] / seconds['torch']:.3f}")
+        runs = repeats if backend == "torch" or device.type == "cuda" else 2
+        seconds = time_call(functools.partial(verify, backend), runs, device)
+        result[f"{backend}_ms"] = round(seconds * 1e3, 4)
+        result[f"{backend}_fraction_of_stream"] = round(read / seconds / stream_rate, 4)
+    if "triton_ms" in result:
+        result["triton_vs_torch"] = round(result["triton_ms"] / result["torch_ms"], 4)
+    return result
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [
+        f"Verification of B={result['batch']} sequences, k={result['k']}, V={result['vocab']} "
+        f"(float32, {result['device']}): {result['bytes_read'] / 1e6:.1f} MB of rows to read, "
+        f"streaming read {result['stream_read_gb_s']:.1f} GB/s, "
+        f"{result['mean_accepted']:.2f} drafts accepted per sequence.",
+        "",
+    ]
+    for backend in ("torch", "triton"):
+        if f"{backend}_ms" in result:
+            lines.append(
+                f"- {NAMES[backend]}: {result[f'{backend}_ms']:.3f} ms, "
+                f"{result[f'{backend}_fraction_of_stream']:.1%} of streaming"
+            )
+    if "triton_ms" not in result:
+        lines.append("- triton kernel: not timed (no CUDA; set TRITON_INTERPRET=1 to interpret it)")
+    return "\n".join(lines) + "\n"
 
 
 NAMES = {"torch": "torch reference", "triton": "triton kernel"}
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,248 @@
+"""specdec bench: the Spec-Bench reader, a tiny model's run end to end, the recommendation, and a
+greedy mismatch failing the run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from specdec.cli import main
+from specdec.eval.bench import BenchConfig, run_bench
+from specdec.eval.bench.load import arrival_times, break_even, run_in_process
+from specdec.eval.bench.offline import run_offline
+from specdec.eval.bench.recommend import recommend
+from specdec.eval.bench.report import offline_markdown
+from specdec.eval.bench.systems import PLAIN, EngineSystem
+from specdec.eval.questions import CATEGORIES, DEFAULT_DATASET, by_category, read_questions
+from tests.tiny import byte_tokenizer, tiny_model
+
+RECORDS = [  # Spec-Bench's own shape: extra fields, a category we do not ship, two turns
+    {"question_id": 81, "category": "writing", "turns": ["Write a note.", "Now shorten it."]},
+    {"question_id": 82, "category": "qa", "turns": ["Why is the sky blue?"], "reference": []},
+    {"question_id": 83, "category": "rag", "turns": ["a b c d e f a b c d e f a b"]},
+]
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def test_a_spec_bench_file_with_an_unknown_category_and_two_turns_is_read(tmp_path):
+    questions = read_questions(write_jsonl(tmp_path / "question.jsonl", RECORDS))
+    assert [q.question_id for q in questions] == [81, 82, 83]
+    assert questions[0].turns == ("Write a note.", "Now shorten it.")
+    assert questions[0].category == "writing" and questions[0].max_tokens is None
+    groups = by_category(questions)
+    assert list(groups) == ["qa", "rag", "writing"]  # shipped categories first, in our order
+
+
+@pytest.mark.parametrize(
+    ("record", "message"),
+    [
+        ({"question_id": 1, "category": "qa", "turns": []}, "'turns' must be a non-empty list"),
+        ({"question_id": 1, "category": "qa", "turns": ["", "x"]}, "every turn must be"),
+        ({"question_id": 1, "turns": ["x"]}, "'category' must be"),
+        ({"category": "qa", "turns": ["x"]}, "'question_id' is missing"),
+        ({"question_id": 1, "category": "qa", "turns": ["x"], "max_tokens": 0}, "'max_tokens'"),
+    ],
+)
+def test_a_bad_record_is_refused_with_its_number(tmp_path, record, message):
+    good = {"question_id": 0, "category": "qa", "turns": ["fine"]}
+    path = write_jsonl(tmp_path / "q.jsonl", [good, record])
+    with pytest.raises(ValueError, match=message) as info:
+        read_questions(path)
+    assert "record 2" in str(info.value)
+
+
+def test_a_missing_dataset_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="no dataset at"):
+        read_questions(tmp_path / "nope.jsonl")
+
+
+def test_the_shipped_dataset_has_20_questions_in_each_category_and_multi_turn_chat():
+    groups = by_category(read_questions(DEFAULT_DATASET))
+    assert tuple(groups) == CATEGORIES
+    assert all(len(qs) >= 20 for qs in groups.values())
+    assert all(len(q.turns) >= 2 for q in groups["mt_bench"])
+
+
+def tiny_config(tmp_path: Path, **overrides) -> BenchConfig:
+    options = dict(
+        model=tiny_model("llama", 0),
+        tokenizer=byte_tokenizer(),
+        dataset=write_jsonl(tmp_path / "question.jsonl", RECORDS),
+        drafters=("prompt_lookup",),
+        adaptive=False,  # a tiny model's steps are too cheap for drafts to pay
+        max_new_tokens=12,
+        modes=("offline", "load", "kernels"),
+        peers=False,
+        rates=(20.0, 400.0),
+        requests_per_rate=4,
+        load_max_tokens=6,
+        kernel_shape=(4, 2, 64),
+        out=tmp_path / "out",
+        engine_options={"num_kv_blocks": 64},
+    )
+    return BenchConfig(**{**options, **overrides})
+
+
+def test_a_tiny_model_run_writes_the_json_markdown_and_plots(tmp_path):
+    result = run_bench(tiny_config(tmp_path))
+    out = tmp_path / "out"
+    saved = json.loads((out / "bench.json").read_text())
+    assert saved["failed"] is False and not saved["offline"]["mismatches"]
+    env = saved["environment"]
+    assert {"versions", "cpu", "threads", "dtype"} <= set(env) and "torch" in env["versions"]
+    offline = saved["offline"]
+    assert offline["systems"] == ["specdec", "prompt_lookup", "hf", "hf+prompt_lookup"]
+    assert list(offline["categories"]) == ["qa", "rag", "writing"]
+    row = offline["overall"]["systems"]["prompt_lookup"]
+    assert row["drafter"] == "prompt_lookup" and row["k"] == 8
+    assert {"tok_s", "vs_specdec", "vs_hf", "acceptance_rate", "mean_accepted_length"} <= set(row)
+    assert row["acceptance_per_position"] and row["mean_accepted_length"] >= 1.0
+    # Three questions, the first of two turns: four outputs per system.
+    assert offline["overall"]["systems"]["specdec"]["tokens"] > 0
+    load = saved["load"]
+    assert set(load["curves"]) == {"specdec", "prompt_lookup"}
+    for points in load["curves"].values():
+        assert [p["rate"] for p in points] == [20.0, 400.0]
+        for p in points:
+            assert p["requests_ok"] == 4 and p["requests_failed"] == 0
+            assert 0 < p["ttft_p50_ms"] <= p["ttft_p90_ms"] <= p["ttft_p99_ms"]
+            assert p["latency_p50_ms"] <= p["latency_p99_ms"]
+    assert "prompt_lookup" in load["break_even"]
+    assert saved["kernels"]["torch_ms"] > 0
+    assert saved["recommendation"]["reason"]
+    report = (out / "bench.md").read_text()
+    assert "## Offline, single stream" in report and "## Under load" in report
+    assert "Every drafter's greedy output equals plain decoding" in report
+    assert "**Recommendation.**" in report and "Best exact drafter per category: qa" in report
+    for png in ("speedup_by_category.png", "latency_vs_rate.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    assert result["plots"]
+
+
+def test_open_loop_arrivals_are_seeded_poisson_and_latency_counts_from_arrival(make_llm):
+    times = arrival_times(10.0, 2000, seed=3)
+    assert times == arrival_times(10.0, 2000, seed=3) and times == sorted(times)
+    gaps = [b - a for a, b in zip([0.0, *times], times)]
+    assert 0.09 < sum(gaps) / len(gaps) < 0.11  # mean gap 1 / rate
+    with pytest.raises(ValueError, match="positive"):
+        arrival_times(0.0, 3)
+    llm = make_llm()
+    report = run_in_process(llm, [([1, 2, 3], 5), ([4, 5, 6, 7], 3)], [0.0, 0.05])
+    assert report.errors == []
+    assert sorted(r.completion_tokens for r in report.records) == [3, 5]
+    assert all(r.latency_s >= r.ttft_s > 0 for r in report.records)
+    assert report.duration_s >= 0.05  # the second request waited for its arrival
+
+
+def test_break_even_is_the_first_rate_where_the_drafter_is_no_faster():
+    curve = {
+        "specdec": [{"rate": r, "latency_p50_ms": m} for r, m in ((1, 100), (2, 120), (4, 200))],
+        "pl": [{"rate": r, "latency_p50_ms": m} for r, m in ((1, 70), (2, 125), (4, 150))],
+    }
+    assert break_even(curve, "pl", "specdec") == 2
+    curve["pl"][1]["latency_p50_ms"] = 90
+    assert break_even(curve, "pl", "specdec") is None
+
+
+def synthetic(speedups: dict[str, float], mismatched: tuple[str, ...] = ()) -> dict:
+    systems = {"specdec": {"tok_s": 10.0, "vs_specdec": 1.0}}
+    for name, speedup in speedups.items():
+        systems[name] = {
+            "tok_s": 10.0 * speedup,
+            "vs_specdec": speedup,
+            "drafter": name,
+            "k": 8,
+            "mean_accepted_length": 2.0,
+            "acceptance_rate": 0.5,
+        }
+    figures = {"systems": systems}
+    return {
+        "overall": figures,
+        "categories": {"qa": figures},
+        "mismatches": [{"system": n} for n in mismatched],
+    }
+
+
+def test_the_recommendation_follows_the_numbers():
+    rec = recommend(synthetic({"prompt_lookup": 1.4, "eagle": 1.2}))
+    assert rec.drafter == "prompt_lookup" and rec.k == 8 and "1.40x" in rec.reason
+    rec = recommend(synthetic({"prompt_lookup": 1.1, "eagle": 1.3}))
+    assert rec.drafter == "eagle"
+    rec = recommend(synthetic({"prompt_lookup": 1.0, "eagle": 0.9}))
+    assert rec.drafter is None and rec.reason.startswith("Run without speculation")
+    rec = recommend(synthetic({"prompt_lookup": 1.4, "eagle": 1.2}, mismatched=("prompt_lookup",)))
+    assert rec.drafter == "eagle"  # a drafter that changed the output is never recommended
+    load = {
+        "curves": {"prompt_lookup": [{"rate": 1.0}, {"rate": 4.0}]},
+        "break_even": {"prompt_lookup": 4.0},
+    }
+    rec = recommend(synthetic({"prompt_lookup": 1.4}), load)
+    assert "stops paying at 4.00 requests/s" in rec.reason
+    load["break_even"]["prompt_lookup"] = None
+    assert "still pays at 4.00" in recommend(synthetic({"prompt_lookup": 1.4}), load).reason
+
+
+class Broken(EngineSystem):
+    """A drafter system whose output differs from plain decoding's in its last token."""
+
+    def generate(self, prompt: list[int], max_tokens: int) -> list[int]:
+        tokens = EngineSystem.generate(self, prompt, max_tokens)
+        return [*tokens[:-1], (tokens[-1] + 1) % 200] if tokens else [7]
+
+
+def test_a_greedy_mismatch_is_reported_and_fails_the_run(make_llm, tmp_path, monkeypatch):
+    plain = EngineSystem(PLAIN, make_llm(), None, None)
+    broken = Broken(
+        "broken", make_llm(speculative={"drafter": "prompt_lookup"}), "prompt_lookup", 8
+    )
+    questions = read_questions(write_jsonl(tmp_path / "q.jsonl", RECORDS[1:]))
+    offline = run_offline([plain, broken], by_category(questions), 6)
+    assert [m["system"] for m in offline["mismatches"]] == ["broken", "broken"]
+    assert "OUTPUTS DIFFER FROM PLAIN DECODING: 2" in offline_markdown(offline)
+    assert recommend(offline).drafter is None
+
+    import specdec.eval.bench as bench
+
+    def failed_run(config):  # noqa: ANN001, ANN202
+        out = Path(config.out)
+        return {"failed": True, "plots": [], "environment": {}, "out": out}
+
+    monkeypatch.setattr(bench, "run_bench", failed_run)
+    monkeypatch.setattr(bench.report, "markdown", lambda result: "report")
+    result = CliRunner().invoke(main, ["bench", "--quick", "--out", str(tmp_path / "o")])
+    assert result.exit_code != 0
+    assert "greedy output differs from plain decoding" in result.output
+
+
+def test_bad_options_get_a_clear_error(tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(main, ["bench", "--modes", "offline,fast"])
+    assert result.exit_code != 0 and "modes must be some of" in result.output
+    result = runner.invoke(main, ["bench", "--k", "4,x"])
+    assert result.exit_code != 0 and "comma-separated ints" in result.output
+    result = runner.invoke(main, ["bench", "--dataset", str(tmp_path / "nope.jsonl")])
+    assert result.exit_code != 0 and "no dataset at" in result.output
+
+
+def word_runs(text: str, n: int = 8) -> set[tuple[str, ...]]:
+    words = text.lower().split()
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+
+def test_no_training_prompt_shares_an_8_word_run_with_a_benchmark_question():
+    from specdec.drafters.train_heads import DEFAULT_DATA, read_prompts
+
+    seen = set()
+    for conversation in read_prompts(DEFAULT_DATA):
+        for message in conversation:
+            seen |= word_runs(message["content"])
+    for question in read_questions(DEFAULT_DATASET):
+        for turn in question.turns:
+            assert not word_runs(turn) & seen, (question.question_id, turn[:60])
