@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -221,7 +222,7 @@ def _load_mode(
     chat = engines[0].llm
     requests = [(chat.apply_chat_template(q.conversation()), cfg.load_max_tokens) for q in picked]
     systems = _load_systems(cfg, engines, offline)
-    rates = list(cfg.rates) if cfg.rates else _default_rates(cfg, chat, offline, requests)
+    rates = list(cfg.rates) if cfg.rates else _default_rates(cfg, chat, requests)
     for system in systems:  # warm up, untimed
         run_in_process(system.llm, requests[:2], [0.0, 0.0])
     curves: dict[str, list[dict[str, float]]] = {s.name: [] for s in systems}
@@ -254,21 +255,18 @@ def _load_systems(
 
 
 def _default_rates(
-    cfg: BenchConfig, llm: Any, offline: dict[str, Any] | None, requests: list[Any]
+    cfg: BenchConfig, llm: Any, requests: list[tuple[list[int], int]]
 ) -> list[float]:
-    """Multiples of the request rate one stream serves: the plain engine's offline tokens/s over
-    a request's new tokens (or one request timed here)."""
-    if offline is not None:
-        tok_s = offline["overall"]["systems"][PLAIN]["tok_s"]
-    else:
-        import time
+    """Multiples of the request rate one stream serves, measured here: the load's requests run
+    one at a time on the engine without speculation (prompt processing included)."""
+    from specdec import SamplingParams
 
-        from specdec import SamplingParams
-
-        start = time.perf_counter()
-        params = SamplingParams(temperature=0, max_tokens=cfg.load_max_tokens, ignore_eos=True)
-        llm.generate([requests[0][0]], params)
-        tok_s = cfg.load_max_tokens / (time.perf_counter() - start)
-    one_stream = tok_s / cfg.load_max_tokens
+    start = time.perf_counter()
+    for prompt, max_tokens in requests:
+        llm.engine.scheduler.block_manager.reset_prefix_cache()
+        llm.generate(
+            [prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        )
+    one_stream = len(requests) / (time.perf_counter() - start)
     multipliers = QUICK_RATE_MULTIPLIERS if cfg.quick else RATE_MULTIPLIERS
     return [round(one_stream * m, 4) for m in multipliers]

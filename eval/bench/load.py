@@ -10,7 +10,7 @@ vLLM's benchmark counts it: a chunk of several accepted tokens is one gap) and e
 at p50, p90 and p99, each measured from the request's arrival.
 
 Speculation *pays* at a rate when its median end-to-end latency is below plain decoding's at
-that rate; :func:`break_even` finds the lowest rate where it stops paying.
+that rate; :func:`break_even` finds the rate from which on it stops paying.
 """
 
 from __future__ import annotations
@@ -101,10 +101,13 @@ def run_over_http(
 def break_even(
     curve: dict[str, list[dict[str, float]]], drafter: str, baseline: str
 ) -> float | None:
-    """The lowest measured rate at which ``drafter``'s median latency is no better than
-    ``baseline``'s (None: it pays at every rate measured). ``curve``: per system, one summary
-    per rate (each with ``rate`` and ``latency_p50_ms``), rates in the same order."""
+    """The lowest measured rate from which on ``drafter``'s median latency is no better than
+    ``baseline``'s at every higher rate too (None: it still pays at the highest rate measured).
+    ``curve``: per system, one summary per rate (``rate``, ``latency_p50_ms``), in rate order."""
+    stop = None
     for mine, theirs in zip(curve[drafter], curve[baseline]):
-        if mine["latency_p50_ms"] >= theirs["latency_p50_ms"]:
-            return mine["rate"]
-    return None
+        if mine["latency_p50_ms"] < theirs["latency_p50_ms"]:
+            stop = None
+        elif stop is None:
+            stop = mine["rate"]
+    return stop

@@ -203,9 +203,8 @@ def _figures(
         if isinstance(system, EngineSystem) and system.drafter:
             row["drafter"], row["k"] = system.drafter, system.k
             row["acceptance_rate"] = round(t.accepted / max(1, t.drafted), 4)
-            row["mean_accepted_length"] = round(
-                (t.accepted + t.verify_steps) / max(1, t.verify_steps), 4
-            )
+            steps = t.verify_steps  # no verification: every target step made one token
+            row["mean_accepted_length"] = round((t.accepted + steps) / steps if steps else 1.0, 4)
             row["acceptance_per_position"] = [
                 round(a / max(1, d), 3)
                 for d, a in zip(t.drafted_per_position, t.accepted_per_position)

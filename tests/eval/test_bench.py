@@ -141,14 +141,17 @@ def test_open_loop_arrivals_are_seeded_poisson_and_latency_counts_from_arrival(m
     assert report.duration_s >= 0.05  # the second request waited for its arrival
 
 
-def test_break_even_is_the_first_rate_where_the_drafter_is_no_faster():
+def test_break_even_is_the_rate_from_which_on_the_drafter_is_no_faster():
     curve = {
         "specdec": [{"rate": r, "latency_p50_ms": m} for r, m in ((1, 100), (2, 120), (4, 200))],
-        "pl": [{"rate": r, "latency_p50_ms": m} for r, m in ((1, 70), (2, 125), (4, 150))],
+        "pl": [{"rate": r, "latency_p50_ms": m} for r, m in ((1, 70), (2, 125), (4, 210))],
     }
     assert break_even(curve, "pl", "specdec") == 2
-    curve["pl"][1]["latency_p50_ms"] = 90
+    curve["pl"][2]["latency_p50_ms"] = 150  # faster again at the top: one slow point is noise
     assert break_even(curve, "pl", "specdec") is None
+    curve["pl"][0]["latency_p50_ms"] = 100  # no better anywhere
+    curve["pl"][2]["latency_p50_ms"] = 200
+    assert break_even(curve, "pl", "specdec") == 1
 
 
 def synthetic(speedups: dict[str, float], mismatched: tuple[str, ...] = ()) -> dict:
@@ -246,3 +249,11 @@ def test_no_training_prompt_shares_an_8_word_run_with_a_benchmark_question():
     for question in read_questions(DEFAULT_DATASET):
         for turn in question.turns:
             assert not word_runs(turn) & seen, (question.question_id, turn[:60])
+
+
+def test_without_rates_the_load_runs_at_multiples_of_one_streams_measured_rate(tmp_path):
+    result = run_bench(tiny_config(tmp_path, modes=("load",), rates=None, quick=True))
+    rates = [p["rate"] for p in result["load"]["curves"]["specdec"]]
+    assert len(rates) == 2 and rates[0] > 0
+    assert rates[1] == pytest.approx(4 * rates[0], rel=1e-3)
+    assert "offline" not in result and "recommendation" not in result
