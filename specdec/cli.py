@@ -199,7 +199,7 @@ def _split(value: str | None, kind: type = str) -> tuple[Any, ...] | None:
 @click.option("--url", default=None, help="Load a running specdec serve instead.")
 @click.option("--api-key", envvar="SPECDEC_API_KEY", default=None)
 @click.option("--out", default="eval/results/bench", show_default=True)
-@click.option("--quick", is_flag=True, help="1 question per category, short outputs (~3 min).")
+@click.option("--quick", is_flag=True, help="1 question per category, short outputs.")
 @click.option("--seed", default=0, show_default=True, type=int)
 def bench(
     categories: str | None,
