@@ -28,7 +28,6 @@ class Tally:
 
     seconds: float = 0.0
     tokens: int = 0
-    outputs: list[list[int]] = field(default_factory=list)  # one per turn played
     drafted: int = 0
     accepted: int = 0
     verify_steps: int = 0
@@ -107,7 +106,6 @@ def run_offline(
                 tally = tallies[category][system.name]
                 tally.seconds += seconds
                 tally.tokens += sum(map(len, outputs))
-                tally.outputs += outputs
                 played[system.name] = outputs
                 if system.name == PLAIN:
                     prompts = these_prompts
