@@ -63,6 +63,7 @@ class GenerationFields(StrictModel):
     stop: list[str] | None = None  # stop strings (a string or a list); excluded from the text
     stop_token_ids: list[int] | None = None  # extra; token ids that end a choice
     ignore_eos: bool | None = None  # extra; keep generating past the end-of-sequence token
+    min_tokens: int | None = Field(None, ge=0, lt=2**31)  # extra; tokens before a stop id may end
     n: int | None = Field(None, ge=1, le=MAX_N)  # choices per prompt; None: 1
     stream: bool | None = None  # send server-sent events as tokens are produced
     stream_options: StreamOptions | None = None  # only read when streaming
@@ -123,6 +124,7 @@ class GenerationFields(StrictModel):
             stop=list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=bool(self.ignore_eos),
+            min_tokens=self.min_tokens or 0,
         )
 
 

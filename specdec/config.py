@@ -19,6 +19,7 @@ class SamplingParams:
     """How one request is decoded (the fields and defaults of vLLM's ``SamplingParams``)."""
 
     max_tokens: int = 16  # most tokens to generate
+    min_tokens: int = 0  # tokens to generate before EOS or a stop token id may end the request
     temperature: float = 1.0  # 0 (or below MIN_SAMPLING_TEMPERATURE) means greedy (argmax)
     top_p: float = 1.0  # keep the smallest set of tokens with this much mass; 1 disables
     top_k: int = 0  # keep the k most likely tokens; 0 or -1 disables
@@ -37,6 +38,11 @@ class SamplingParams:
             f"max_tokens must be an integer, got {self.max_tokens!r}",
         )
         _check(self.max_tokens > 0, f"max_tokens must be at least 1, got {self.max_tokens}")
+        _check(
+            isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+            f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+            f"got {self.min_tokens!r}",
+        )
         _check(
             isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature),
             f"temperature must be a finite number, got {self.temperature!r}",

@@ -17,7 +17,7 @@ from specdec.detokenizer import Detokenizer
 from specdec.drafters.base import Drafter, FinishedStep
 from specdec.drafters.policy import AdaptivePolicy
 from specdec.drafters.registry import SpecConfig, build_speculation
-from specdec.loader import LoadedCheckpoint
+from specdec.loader import LoadedCheckpoint, end_of_sequence_ids
 from specdec.models.llama import LlamaForCausalLM
 from specdec.outputs import RequestOutput
 from specdec.runner import ModelRunner, kv_block_bytes
@@ -53,7 +53,7 @@ class Engine:
         self.runner = ModelRunner(model, num_blocks, config.block_size, dtype)
         self.verifier = Verifier()
         self.detokenizer = Detokenizer(tokenizer)
-        self.eos_token_id = tokenizer.eos_token_id
+        self.eos_token_ids = end_of_sequence_ids(tokenizer, target)
         self.requests: dict[int, Sequence] = {}
         self._ids = itertools.count()
         self.drafter: Drafter | None = None
@@ -73,7 +73,7 @@ class Engine:
             )
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
-        seq = Sequence(next(self._ids), list(prompt_token_ids), n, params, self.eos_token_id)
+        seq = Sequence(next(self._ids), list(prompt_token_ids), n, params, self.eos_token_ids)
         self.requests[seq.seq_id] = seq
         self.scheduler.add(seq)
         return seq.seq_id

@@ -81,6 +81,8 @@ class LoadedCheckpoint:
     tokenizer: transformers.PreTrainedTokenizerBase
     name: str  # display name: the path, or DEFAULT_MODEL_NAME
     gguf_path: pathlib.Path | None = None  # the GGUF file the weights come from, if any
+    # end-of-sequence ids of the model's generation config (generation_config.json), if any
+    generation_eos_ids: tuple[int, ...] = ()
 
 
 ModelRef = str | os.PathLike[str] | transformers.PreTrainedModel | None
@@ -108,6 +110,25 @@ def load_checkpoint(
     if path.is_file():
         return _load_gguf_file(path, tokenizer, dtype)
     return _load_directory(path, tokenizer, dtype, str(model))
+
+
+def end_of_sequence_ids(
+    tokenizer: transformers.PreTrainedTokenizerBase, checkpoint: LoadedCheckpoint | None = None
+) -> tuple[int, ...]:
+    """Every id that ends a sequence: the tokenizer's end-of-sequence token and those of the
+    model's generation config (a list in Llama 3 and Qwen2 chat models), as vLLM stops at
+    either: a chat model whose turn ends in a token other than the tokenizer's EOS stops."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    ids += checkpoint.generation_eos_ids if checkpoint is not None else []
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def eos_ids_of(generation_config: transformers.GenerationConfig | None) -> tuple[int, ...]:
+    """The end-of-sequence ids of a generation config (an int, a list or None)."""
+    eos = None if generation_config is None else generation_config.eos_token_id
+    if eos is None:
+        return ()
+    return (int(eos),) if isinstance(eos, int) else tuple(int(i) for i in eos)
 
 
 def prequantized_weights(checkpoint: LoadedCheckpoint) -> dict[str, QuantWeight]:
@@ -197,7 +218,7 @@ def _read_gguf(
 
     folder, name = gguf_path.parent, gguf_path.name
     config = transformers.AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True)
-    config.architectures = [_check_architecture(config)]
+    config.architectures = [check_architecture(config)]
     with torch.device("meta"):
         skeleton = transformers.AutoModelForCausalLM.from_config(config)
     parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)
@@ -230,13 +251,17 @@ def _load_directory(
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json; {_NO_DOWNLOAD}")
     config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-    _check_architecture(config)
+    check_architecture(config)
     tensors = _read_safetensors(path)
+    generation = None
+    if (path / "generation_config.json").is_file():
+        generation = transformers.GenerationConfig.from_pretrained(path, local_files_only=True)
     return LoadedCheckpoint(
         config=config,
         state_dict=_parameters(tensors, config, dtype),
         tokenizer=_load_tokenizer(path if tokenizer is None else tokenizer),
         name=name,
+        generation_eos_ids=eos_ids_of(generation),
     )
 
 
@@ -244,7 +269,7 @@ def _load_model_object(
     model: transformers.PreTrainedModel, tokenizer: TokenizerRef, dtype: torch.dtype
 ) -> LoadedCheckpoint:
     """Take an in-memory model's parameters: detached, on its device, shared when dtypes agree."""
-    _check_architecture(model.config)
+    check_architecture(model.config)
     if tokenizer is None:
         tokenizer = _tokenizer_dir_of(model)
     tensors = {key: tensor.detach() for key, tensor in model.state_dict().items()}
@@ -253,6 +278,7 @@ def _load_model_object(
         state_dict=_parameters(tensors, model.config, dtype),
         tokenizer=_load_tokenizer(tokenizer),
         name=model.name_or_path or type(model).__name__,
+        generation_eos_ids=eos_ids_of(getattr(model, "generation_config", None)),
     )
 
 
@@ -293,7 +319,7 @@ def _hub_cache_snapshot(repo_id: str) -> pathlib.Path | None:
     return pathlib.Path(config_file).parent if isinstance(config_file, str) else None
 
 
-def _check_architecture(config: transformers.PretrainedConfig) -> str:
+def check_architecture(config: transformers.PretrainedConfig) -> str:
     """The supported architecture class name of ``config``, or UnsupportedModelError."""
     architectures = getattr(config, "architectures", None) or []
     model_type = getattr(config, "model_type", None)

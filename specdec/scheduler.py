@@ -165,7 +165,7 @@ class Scheduler:
         for token in tokens:
             seq.token_ids.append(token)
             if token in params.stop_token_ids or (
-                token == seq.eos_token_id and not params.ignore_eos
+                token in seq.eos_token_ids and not params.ignore_eos
             ):
                 self.finish(seq, "stop")
             elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:

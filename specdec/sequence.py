@@ -59,7 +59,7 @@ class Sequence:
     token_ids: list[int]  # prompt + output tokens
     num_prompt_tokens: int  # length of the prompt prefix of token_ids
     params: SamplingParams  # how to sample this request
-    eos_token_id: int | None = None  # the model's end-of-sequence id (None: no EOS)
+    eos_token_ids: tuple[int, ...] = ()  # the model's end-of-sequence ids (any of them ends it)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     block_table: list[int] = field(default_factory=list)  # KV block ids, in position order

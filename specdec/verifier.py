@@ -153,4 +153,16 @@ class Verifier:
         """The row token of each sequence at draft position ``j`` (its bonus row when ``j == k``):
         the token at position ``num_tokens + j`` of its token ids."""
         keys = [(seq.seed, seq.num_tokens + j) for seq in seqs]
+        _mask_early_stops(seqs, logits, j)
         return next_tokens(logits, [seq.params for seq in seqs], keys)
+
+
+def _mask_early_stops(seqs: list[Sequence], logits: torch.Tensor, j: int) -> None:
+    """A sequence still short of its ``min_tokens`` at draft position ``j`` cannot end there:
+    its end-of-sequence and stop token ids get ``-inf`` logits in place, before any sampling
+    step, as transformers' ``MinNewTokensLengthLogitsProcessor`` and vLLM's ``min_tokens`` do."""
+    for row, seq in enumerate(seqs):
+        params = seq.params
+        if seq.num_output_tokens + j < params.min_tokens:
+            eos = () if params.ignore_eos else seq.eos_token_ids
+            logits[row, [*params.stop_token_ids, *eos]] = float("-inf")

@@ -93,7 +93,7 @@ def test_eos_and_stop_token_ids_end_generation(make_llm):
         [PROMPTS[1]], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_at])
     )[0]
     assert out.token_ids == free_run[: first + 1] and out.finish_reason == "stop"
-    llm.engine.eos_token_id = stop_at  # the model's EOS behaves the same, unless ignored
+    llm.engine.eos_token_ids = (stop_at,)  # the model's EOS behaves the same, unless ignored
     eos_run = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=24))[0]
     assert eos_run.token_ids == free_run[: first + 1] and eos_run.finish_reason == "stop"
     assert llm.generate([PROMPTS[1]], GREEDY)[0].token_ids == free_run  # GREEDY ignores EOS

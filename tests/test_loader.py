@@ -341,7 +341,7 @@ def test_unsupported_architecture(tmp_path: pathlib.Path) -> None:
     with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
         load_checkpoint(tmp_path)
     with pytest.raises(UnsupportedModelError, match="model_type='gpt2'"):
-        loader._check_architecture(transformers.GPT2Config())
+        loader.check_architecture(transformers.GPT2Config())
 
 
 def test_unsupported_in_memory_model() -> None:

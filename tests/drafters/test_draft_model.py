@@ -77,7 +77,7 @@ def test_catch_up_counts_what_the_draft_cache_lacks(make_llm):
     not fed, from its first stale one (a rejected draft it fed) on."""
     base = make_llm()
     drafter = make_llm(speculative=spec(base.hf_model)).engine.drafter
-    seq = Sequence(0, list(range(12)), 12, GREEDY, eos_token_id=None)
+    seq = Sequence(0, list(range(12)), 12, GREEDY)
     assert drafter.catch_up_tokens(seq) == 1
     drafter.fed[seq.seq_id] = list(range(5))  # fed 5 tokens, then drafting stopped
     assert drafter.catch_up_tokens(seq) == 7
