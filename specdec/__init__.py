@@ -4,6 +4,15 @@ from specdec.config import EngineConfig, SamplingParams
 from specdec.drafters.registry import SpecConfig
 from specdec.llm import LLM
 from specdec.outputs import RequestOutput
+from specdec.wrap import WrappedModel, wrap
 
-__all__ = ["LLM", "EngineConfig", "RequestOutput", "SamplingParams", "SpecConfig"]
+__all__ = [
+    "LLM",
+    "EngineConfig",
+    "RequestOutput",
+    "SamplingParams",
+    "SpecConfig",
+    "WrappedModel",
+    "wrap",
+]
 __version__ = "0.1.0"

@@ -6,10 +6,17 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import torch
+
 from specdec.config import EngineConfig, SamplingParams
 from specdec.drafters.registry import SpecConfig
 from specdec.engine import Engine
-from specdec.loader import load_checkpoint, prequantized_weights, resolve_dtype
+from specdec.loader import (
+    LoadedCheckpoint,
+    load_checkpoint,
+    prequantized_weights,
+    resolve_dtype,
+)
 from specdec.models.llama import LlamaForCausalLM
 from specdec.models.quant import check_quantization
 from specdec.outputs import RequestOutput
@@ -43,29 +50,51 @@ class LLM:
         **engine_options: Any,
     ):
         config = EngineConfig(**engine_options)
-        self.dtype = resolve_dtype(dtype)
-        self.quantization = check_quantization(quantization)
-        checkpoint = load_checkpoint(model, tokenizer, self.dtype)
-        self.model_name = checkpoint.name
-        self.tokenizer = checkpoint.tokenizer
-        max_model_len = config.max_model_len or checkpoint.config.max_position_embeddings
+        resolved = resolve_dtype(dtype)
+        quantization = check_quantization(quantization)
+        checkpoint = load_checkpoint(model, tokenizer, resolved)
         model_impl = LlamaForCausalLM.from_hf(
             checkpoint.config,
             checkpoint.state_dict,
-            max_model_len,
+            config.max_model_len or checkpoint.config.max_position_embeddings,
             config.batch_invariant,
             quantization,
             prequantized_weights(checkpoint) if quantization else None,
         )
+        self._assemble(checkpoint, model_impl, resolved, config, speculative, quantization)
+
+    @classmethod
+    def on_native_model(
+        cls,
+        checkpoint: LoadedCheckpoint,
+        model: LlamaForCausalLM,
+        speculative: SpecConfig | dict | None = None,
+        **engine_options: Any,
+    ) -> LLM:
+        """An engine on a native model already built from ``checkpoint`` (``specdec.wrap``
+        builds one per drafter around the same weights)."""
+        llm = cls.__new__(cls)
+        config = EngineConfig(**engine_options)
+        dtype = model.embed_tokens.weight.dtype
+        llm._assemble(checkpoint, model, dtype, config, speculative, None)
+        return llm
+
+    def _assemble(
+        self,
+        checkpoint: LoadedCheckpoint,
+        model: LlamaForCausalLM,
+        dtype: torch.dtype,
+        config: EngineConfig,
+        speculative: SpecConfig | dict | None,
+        quantization: str | None,
+    ) -> None:
+        self.dtype, self.quantization = dtype, quantization
+        self.model_name = checkpoint.name
+        self.tokenizer = checkpoint.tokenizer
+        max_model_len = config.max_model_len or checkpoint.config.max_position_embeddings
         self.spec_config = SpecConfig.coerce(speculative)
         self.engine = Engine(
-            model_impl,
-            self.tokenizer,
-            config,
-            self.dtype,
-            max_model_len,
-            self.spec_config,
-            checkpoint,
+            model, self.tokenizer, config, dtype, max_model_len, self.spec_config, checkpoint
         )
 
     def generate(

@@ -14,6 +14,8 @@ Modes (``--modes``, comma-separated; default ``offline,load``):
 * ``runtime`` (:mod:`.runtime`): the engine without speculation against ``transformers``,
   single stream and a 32-request batch, and the share of memory bandwidth decode reaches.
 * ``kernels`` (:mod:`.kernels`): the verification kernel's micro-benchmark.
+* ``wrap`` (:mod:`.wrap`): ``specdec.wrap(model).generate`` against the model's own
+  ``generate``, plain and assisted, at batch 1 and 8, and the resident memory wrapping adds.
 
 Then a recommendation (:mod:`.recommend`), and in ``out``: ``bench.json`` (every figure and the
 environment), ``bench.md`` and PNG plots. Every ratio compares systems run side by side in this
@@ -44,7 +46,7 @@ from specdec.eval.bench.systems import (
 )
 from specdec.eval.questions import DEFAULT_DATASET, by_category, read_questions
 
-MODES = ("offline", "load", "runtime", "kernels")
+MODES = ("offline", "load", "runtime", "kernels", "wrap")
 RATE_MULTIPLIERS = (0.5, 1.0, 2.0, 4.0)  # of one stream's request rate, when no rates are given
 QUICK_RATE_MULTIPLIERS = (1.0, 4.0)
 
@@ -149,6 +151,22 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
 
         batch, k, vocab = cfg.kernel_shape
         result["kernels"] = run_kernels(batch, k, vocab, repeats=3 if cfg.quick else 20)
+    if "wrap" in cfg.modes:
+        from specdec.eval.bench.wrap import run_wrap
+
+        every = by_category(questions)  # categories in turn, first turns only
+        firsts = [
+            qs[i].conversation()
+            for i in range(len(questions))
+            for qs in every.values()
+            if i < len(qs)
+        ]
+        result["wrap"] = run_wrap(
+            firsts[: 8 if cfg.quick else 16],
+            cfg.max_new_tokens or 64,
+            cfg.draft_model,
+            rounds=1 if cfg.quick else 2,
+        )
     result["failed"] = bool(result.get("offline", {}).get("mismatches"))
     (out / "bench.json").write_text(json.dumps(result, indent=2, default=str), encoding="utf-8")
     (out / "bench.md").write_text(report.markdown(result), encoding="utf-8")

@@ -154,6 +154,10 @@ def markdown(result: dict[str, Any]) -> str:
         from specdec.eval.bench.kernels import markdown as kernels_markdown
 
         parts += ["## Verification kernel\n", kernels_markdown(result["kernels"])]
+    if "wrap" in result:
+        from specdec.eval.bench.wrap import markdown as wrap_markdown
+
+        parts += ["## specdec.wrap against transformers generate\n", wrap_markdown(result["wrap"])]
     parts += [f"- {note}\n" for note in result.get("notes", [])]
     return "\n".join(parts)
 

@@ -238,6 +238,7 @@ class LlamaForCausalLM(nn.Module):
         batch_invariant: bool | None = None,
         quantization: str | None = None,
         prequantized: dict[str, QuantWeight] | None = None,
+        huge_pages: bool = True,
     ) -> LlamaForCausalLM:
         """Build the model around weights named as in transformers, without a random init.
 
@@ -251,6 +252,10 @@ class LlamaForCausalLM(nn.Module):
         ``quantization`` (``"int8"``, ``"int4"``, ``"w8a8"``, ``"w4a8"`` or ``None``): quantized
         linears (see :mod:`specdec.models.quant`), ``prequantized`` the weights that arrived quantized (a GGUF
         file's), by module name. Quantized linears are row-invariant in every dtype.
+
+        ``huge_pages``: copy the weights into a huge-page arena (see
+        :mod:`specdec.models.hugepages`); ``False`` keeps them in the tensors given, as
+        ``specdec.wrap`` does to run on a transformers model's own storage.
         """
         with torch.device("meta"):
             model = cls(hf_config, max_positions)
@@ -274,7 +279,8 @@ class LlamaForCausalLM(nn.Module):
         # linears on oneDNN-packed weights (see models/linear.py)
         use_row_kernels(model, invariant=model.batch_invariant)
         prepack_linears(model, invariant=model.batch_invariant)
-        move_to_huge_pages(model)  # weights streamed from 2 MB pages (see models/hugepages.py)
+        if huge_pages:
+            move_to_huge_pages(model)  # weights streamed from 2 MB pages (see models/hugepages.py)
         return model.eval().requires_grad_(False)
 
     def weight_bytes_per_step(self) -> int:
@@ -316,7 +322,21 @@ def _fused_weights(state_dict: dict[str, torch.Tensor], num_layers: int):  # noq
         for kind in ("weight", "bias"):
             parts = [sd.pop(f"{p}self_attn.{n}_proj.{kind}", None) for n in "qkv"]
             if all(t is not None for t in parts):
-                yield f"{p}self_attn.qkv_proj.{kind}", torch.cat(parts, dim=0)  # type: ignore[arg-type]
+                yield f"{p}self_attn.qkv_proj.{kind}", concat_rows(parts)  # type: ignore[arg-type]
         gate, up = sd.pop(f"{p}mlp.gate_proj.weight"), sd.pop(f"{p}mlp.up_proj.weight")
-        yield f"{p}mlp.gate_up_proj.weight", torch.cat([gate, up], dim=0)
+        yield f"{p}mlp.gate_up_proj.weight", concat_rows([gate, up])
     yield from sd.items()
+
+
+def concat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)`` along rows; a view, not a copy, when the parts already lie back to
+    back in one storage (as :func:`specdec.wrap.fuse_projections` leaves a model's q/k/v and
+    gate/up weights)."""
+    first, end = parts[0], parts[0].data_ptr()
+    for part in parts:
+        adjacent = part.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        if not (adjacent and part.is_contiguous() and part.data_ptr() == end):
+            return torch.cat(parts, dim=0)
+        end += part.numel() * part.element_size()
+    rows = sum(part.shape[0] for part in parts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride())

@@ -257,3 +257,27 @@ def test_without_rates_the_load_runs_at_multiples_of_one_streams_measured_rate(t
     assert len(rates) == 2 and rates[0] > 0
     assert rates[1] == pytest.approx(4 * rates[0], rel=1e-3)
     assert "offline" not in result and "recommendation" not in result
+
+
+def test_wrap_mode_compares_wrap_with_transformers_generate():
+    """The wrap mode's table on a tiny model: every system timed or refused, rows compared
+    with transformers', resident memory read."""
+    from specdec.eval.bench.wrap import markdown, run_wrap
+
+    tokenizer = byte_tokenizer()
+    tokenizer.pad_token = tokenizer.eos_token
+    model = tiny_model()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.eos_token_id
+    prompts = [[{"role": "user", "content": f"question {i} " * (i + 1)}] for i in range(8)]
+    wrap = run_wrap(prompts, 12, rounds=1, model=model, tokenizer=tokenizer)
+    assert [row["batch"] for row in wrap["batches"]] == [1, 8]
+    for row in wrap["batches"]:
+        assert set(row["tokens_per_s"]) | set(row["refused"]) == set(row["systems"])
+        assert (
+            row["equals_hf"]["wrap"]
+            == f"{row['calls'] * row['batch']}/{row['calls'] * row['batch']}"
+        )
+        assert row["equals_hf"]["wrap+prompt_lookup"] == row["equals_hf"]["wrap"]
+    assert {"after wrap", "after wrap at batch 8"} <= set(wrap["memory_mb"])
+    assert "| 8 |" in markdown(wrap)

@@ -1,0 +1,388 @@
+"""``specdec.wrap(model)``: a transformers model's ``generate``, run on the specdec engine.
+
+Existing code keeps its call::
+
+    fast = specdec.wrap(model, tokenizer)        # was: model
+    out = fast.generate(input_ids, attention_mask=mask, max_new_tokens=64)
+
+and gets the same ``[batch, prompt + new]`` tensor back (left padding kept, finished rows padded
+with ``pad_token_id``), or an output object with ``sequences`` under
+``return_dict_in_generate=True``. ``assistant_model=`` and ``prompt_lookup_num_tokens=`` switch
+to the engine's ``draft_model`` and ``prompt_lookup`` drafters, at any batch size; options given
+to ``wrap`` (``drafter="eagle"``, ...) speculate on every call that names no assistant. The
+engine's adaptive policy sets the draft depth (at most ``prompt_lookup_num_tokens``, or 8 for
+an assistant) unless ``num_assistant_tokens`` is given, which fixes it (transformers'
+``"constant"`` schedule; ``"heuristic"`` keeps the policy, with that cap).
+
+The engine runs on the model's own weights. ``wrap`` first makes each layer's q/k/v and
+gate/up weights row blocks of one fused matrix (:func:`fuse_projections`: the transformers
+modules keep their parameters, now views into it), which the native model then uses as its
+fused projection; embeddings, output head, norms, o and down projections are the very tensors
+transformers holds, and no huge-page copy is made. A float32 model is thus not copied at all. A
+bfloat16 model's linears are packed once for the CPU's bf16 kernels (a copy of each linear's
+matrix; the embedding and norms stay shared).
+
+Sampling follows ``generate``'s generation config (the model's own, updated by the call's
+keyword arguments, as transformers does): ``do_sample``, ``temperature``, ``top_k`` (50 unless
+set), ``top_p``, ``min_p``, ``max_new_tokens`` / ``max_length``, ``min_new_tokens`` /
+``min_length``, ``eos_token_id`` (an int or a list), ``pad_token_id``,
+``num_return_sequences``. Every row's noise seed is drawn from torch's global generator, so
+``torch.manual_seed(s)`` before a call makes it reproducible, whatever the drafter or batch.
+Options whose effect the engine does not implement (beam search, repetition penalties, scores)
+are refused with a ``ValueError`` naming them, never ignored.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from specdec.config import SamplingParams
+from specdec.drafters.registry import SpecConfig
+from specdec.llm import LLM
+from specdec.loader import check_architecture, load_checkpoint
+from specdec.models.llama import LlamaForCausalLM
+
+# Generation-config fields the engine does not implement, with the values that leave them off.
+UNSUPPORTED = {
+    "num_beams": (None, 1),
+    "num_beam_groups": (None, 1),
+    "penalty_alpha": (None,),
+    "repetition_penalty": (None, 1.0),
+    "encoder_repetition_penalty": (None, 1.0),
+    "no_repeat_ngram_size": (None, 0),
+    "bad_words_ids": (None,),
+    "force_words_ids": (None,),
+    "sequence_bias": (None,),
+    "suppress_tokens": (None,),
+    "begin_suppress_tokens": (None,),
+    "forced_bos_token_id": (None,),
+    "forced_eos_token_id": (None,),
+    "typical_p": (None, 1.0),
+    "epsilon_cutoff": (None, 0.0),
+    "eta_cutoff": (None, 0.0),
+    "guidance_scale": (None, 1.0),
+    "exponential_decay_length_penalty": (None,),
+    "stop_strings": (None,),
+    "max_time": (None,),
+    "watermarking_config": (None,),
+    "output_scores": (None, False),
+    "output_logits": (None, False),
+    "output_attentions": (None, False),
+    "output_hidden_states": (None, False),
+}
+MAX_ENGINES = 4  # engines (one per drafter asked for) kept across calls
+
+
+def wrap(
+    model: transformers.PreTrainedModel, tokenizer: Any = None, **spec_options: Any
+) -> WrappedModel:
+    """A drop-in ``generate`` for ``model`` on the specdec engine (see the module docstring).
+
+    ``tokenizer``: the model's tokenizer, when its ``name_or_path`` is not a local directory
+    holding one. ``spec_options``: a drafter for every call that names no assistant, as
+    :class:`~specdec.SpecConfig` takes them (``drafter="prompt_lookup"``,
+    ``num_speculative_tokens=8``, ...); ``engine_options={...}`` sizes the engine
+    (:class:`~specdec.EngineConfig`'s fields).
+    """
+    engine_options = spec_options.pop("engine_options", None) or {}
+    speculative = SpecConfig(**spec_options) if spec_options else None
+    return WrappedModel(model, tokenizer, speculative, engine_options)
+
+
+class WrappedModel:
+    """``model`` with ``generate`` on the specdec engine; other attributes are the model's."""
+
+    def __init__(
+        self,
+        model: transformers.PreTrainedModel,
+        tokenizer: Any,
+        speculative: SpecConfig | None,
+        engine_options: dict[str, Any],
+    ):
+        check_placement(model)
+        fuse_projections(model)
+        dtype = model.dtype
+        self.model = model
+        self.speculative = speculative
+        self.engine_options = engine_options
+        self.checkpoint = load_checkpoint(model, tokenizer, dtype)
+        max_len = engine_options.get("max_model_len") or model.config.max_position_embeddings
+        self.native = LlamaForCausalLM.from_hf(
+            self.checkpoint.config,
+            self.checkpoint.state_dict,
+            max_len,
+            engine_options.get("batch_invariant"),
+            huge_pages=False,  # the engine reads the model's own storage
+        )
+        self.checkpoint.state_dict = {}  # the native model holds what it needs
+        self._engines: dict[tuple[Any, ...], LLM] = {}  # by drafter, most recent last
+        self._llm: LLM | None = None  # the latest call's
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "model":  # not set yet: no recursion
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        inputs: torch.Tensor | None = None,
+        generation_config: transformers.GenerationConfig | None = None,
+        streamer: Any = None,
+        assistant_model: transformers.PreTrainedModel | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor | GenerateDecoderOnlyOutput:
+        """``transformers``' ``generate`` (decoder-only, greedy or sampled), on the engine."""
+        input_ids = kwargs.pop("input_ids", None) if inputs is None else inputs
+        attention_mask = kwargs.pop("attention_mask", None)
+        prompt_lookup = kwargs.pop("prompt_lookup_num_tokens", None)
+        config = resolve_config(self.model, generation_config)
+        unused = config.update(**kwargs)
+        if unused:
+            raise ValueError(
+                f"The following `model_kwargs` are not used by the model: {sorted(unused)} "
+                "(note: typos in the generate arguments will also show up in this list)"
+            )
+        check_config(config)
+        if input_ids is None or input_ids.dim() != 2 or input_ids.shape[0] == 0:
+            raise ValueError("input_ids must be a [batch, length] tensor of token ids")
+        if streamer is not None and input_ids.shape[0] > 1:
+            raise ValueError("a streamer works at batch size 1 only, as in transformers")
+        copies = config.num_return_sequences or 1
+        # drawn first, before an engine is built, so that torch.manual_seed fixes them
+        seeds = [int(torch.randint(2**63 - 1, ())) for _ in range(len(input_ids) * copies)]
+        prompts = [p for p in prompt_rows(input_ids, attention_mask, config) for _ in range(copies)]
+        params = sampling_params(config, input_ids.shape[1], seeds)
+        llm = self._engine(assistant_model, prompt_lookup, config)
+        if streamer is not None:
+            new_tokens = [_stream(llm, prompts[0], params[0], input_ids, streamer)]
+        else:
+            new_tokens = [out.token_ids for out in llm.generate(prompts, params)]
+        sequences = _assemble(input_ids.repeat_interleave(copies, dim=0), new_tokens, config)
+        if config.return_dict_in_generate:
+            return GenerateDecoderOnlyOutput(sequences=sequences)  # type: ignore[arg-type]
+        return sequences
+
+    def _engine(
+        self,
+        assistant_model: Any,
+        prompt_lookup: int | None,
+        config: transformers.GenerationConfig,
+    ) -> LLM:
+        """The engine for this call's drafter. Engines share the native model and are kept for
+        later calls (their KV pools take memory only where written), the least recently used
+        let go past ``MAX_ENGINES``."""
+        if assistant_model is not None and prompt_lookup is not None:
+            raise ValueError("give assistant_model or prompt_lookup_num_tokens, not both")
+        speculative: SpecConfig | None = self.speculative
+        key: tuple[Any, ...] = ("default",)
+        if assistant_model is not None:
+            check_placement(assistant_model)
+            k, adaptive = 8, True  # the engine's default: up to 8 drafts, as they pay
+            if config.num_assistant_tokens is not None:  # transformers' schedule, if asked for
+                k = config.num_assistant_tokens
+                adaptive = config.num_assistant_tokens_schedule not in (None, "constant")
+            speculative = SpecConfig("draft_model", k, adaptive, draft_model=assistant_model)
+            key = ("draft_model", assistant_model, k, adaptive)  # holds it: no id reuse
+        elif prompt_lookup is not None:
+            ngram = config.max_matching_ngram_size or 2  # transformers' default
+            speculative = SpecConfig(
+                "prompt_lookup", prompt_lookup, prompt_lookup_min=1, prompt_lookup_max=ngram
+            )
+            key = ("prompt_lookup", prompt_lookup, ngram)
+        llm = self._engines.pop(key, None)
+        if llm is None:
+            while len(self._engines) >= MAX_ENGINES:
+                self._engines.pop(next(iter(self._engines)))
+            llm = LLM.on_native_model(
+                self.checkpoint, self.native, speculative, **self.engine_options
+            )
+        self._engines[key] = self._llm = llm
+        return llm
+
+
+def check_placement(model: Any) -> None:
+    """Refuse, with the reason, a model the CPU engine cannot run on its own storage."""
+    if not isinstance(model, transformers.PreTrainedModel):
+        raise TypeError(f"wrap takes a transformers model, got {type(model).__name__}")
+    check_architecture(model.config)
+    device_map = getattr(model, "hf_device_map", None) or {}
+    placed = {str(d) for d in device_map.values()} - {"cpu"}
+    if placed:
+        raise ValueError(
+            f"the model is dispatched by accelerate across {sorted(placed)} (hf_device_map); "
+            "specdec.wrap runs a model held whole in CPU memory: load it without device_map"
+        )
+    if model.device.type != "cpu":
+        raise ValueError(
+            f"the model is on {model.device}: specdec.wrap runs on the CPU for now (the CUDA "
+            "engine is a later release); move it with model.to('cpu')"
+        )
+    if model.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(
+            f"the model's weights are {model.dtype}: the CPU engine runs float32 or bfloat16; "
+            "convert with model.float() or model.to(torch.bfloat16)"
+        )
+
+
+def fuse_projections(model: transformers.PreTrainedModel) -> None:
+    """Give each decoder layer's q/k/v projections, and its gate/up projections, one storage.
+
+    The native model multiplies by fused ``[q; k; v]`` and ``[gate; up]`` matrices. Rather than
+    concatenating copies, the transformers parameters are moved into one fused tensor each
+    (their values and identities unchanged, their storage now row blocks of it), so the native
+    model's fused weight is a view of the same memory (:func:`specdec.models.llama.concat_rows`).
+    """
+    for layer in model.model.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        _fuse_rows([attention.q_proj, attention.k_proj, attention.v_proj])
+        _fuse_rows([mlp.gate_proj, mlp.up_proj])
+
+
+def _fuse_rows(linears: list[nn.Linear]) -> None:
+    for name in ("weight", "bias"):
+        params = [getattr(linear, name) for linear in linears]
+        if any(p is None for p in params):
+            continue
+        fused = torch.cat([p.detach() for p in params], dim=0)  # [sum of out_features, ...]
+        start = 0
+        for p in params:
+            p.data = fused[start : start + p.shape[0]]
+            start += p.shape[0]
+
+
+def resolve_config(
+    model: transformers.PreTrainedModel, given: transformers.GenerationConfig | None
+) -> transformers.GenerationConfig:
+    """The call's generation config as transformers resolves it: ``given`` (else an empty one),
+    its unset fields taken from the model's own config, then from transformers' defaults
+    (``top_k=50``, ``max_length=20``, ...)."""
+    config = copy.deepcopy(given or transformers.GenerationConfig())
+    own = model.generation_config.to_dict()
+    config.update(**own, defaults_only=True, allow_custom_entries=True)
+    config.update(**config._get_default_generation_params(), defaults_only=True)
+    return config
+
+
+def check_config(config: transformers.GenerationConfig) -> None:
+    """Refuse generation options the engine does not implement, naming them."""
+    for name, neutral in UNSUPPORTED.items():
+        if getattr(config, name, None) not in neutral:
+            raise ValueError(
+                f"generate(..., {name}={getattr(config, name)!r}) is not supported by "
+                f"specdec.wrap; leave it at {neutral[-1]!r}"
+            )
+    if config.do_sample and not (config.temperature or 0) > 0:
+        raise ValueError(
+            f"`temperature` (={config.temperature}) has to be a strictly positive float when "
+            "do_sample=True; use do_sample=False for greedy decoding"
+        )
+
+
+def prompt_rows(
+    input_ids: torch.Tensor,  # [B, L]
+    attention_mask: torch.Tensor | None,  # [B, L] 1 for a token, 0 for padding
+    config: transformers.GenerationConfig,
+) -> list[list[int]]:
+    """Each row's prompt: its tokens where the mask is 1. Without a mask, as transformers
+    infers one: padding is ``pad_token_id`` where it occurs and differs from every EOS id."""
+    if attention_mask is None:
+        pad, eos = config.pad_token_id, _eos_ids(config)
+        if pad is not None and pad not in eos and bool((input_ids == pad).any()):
+            attention_mask = input_ids != pad
+        else:
+            attention_mask = torch.ones_like(input_ids)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)}, "
+            f"input_ids {tuple(input_ids.shape)}"
+        )
+    rows = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids.cpu(), attention_mask.cpu())]
+    if any(not row for row in rows):
+        raise ValueError("a row of input_ids has no token under its attention_mask")
+    return rows
+
+
+def sampling_params(
+    config: transformers.GenerationConfig, input_length: int, seeds: list[int]
+) -> list[SamplingParams]:
+    """The engine's parameters for each row, from a generation config (transformers'
+    semantics: ``max_length`` and ``min_length`` count the padded input; the config's EOS ids,
+    and only those, end a row)."""
+    if config.max_new_tokens is not None:
+        max_new = config.max_new_tokens
+    else:
+        max_new = config.max_length - input_length
+    if max_new < 1:
+        raise ValueError(
+            f"Input length of input_ids is {input_length}, but `max_length` is set to "
+            f"{config.max_length}: set max_new_tokens to generate anything"
+        )
+    min_new = config.min_new_tokens or max(0, (config.min_length or 0) - input_length)
+    sample = bool(config.do_sample)
+    return [
+        SamplingParams(
+            max_tokens=max_new,
+            min_tokens=min(min_new, max_new),
+            temperature=float(config.temperature or 1.0) if sample else 0.0,
+            top_k=int(config.top_k or 0) if sample else 0,
+            top_p=float(config.top_p or 1.0) if sample else 1.0,
+            min_p=float(config.min_p or 0.0) if sample else 0.0,
+            seed=seed,
+            stop_token_ids=list(_eos_ids(config)),
+            ignore_eos=True,  # the config's EOS ids above, not the engine's, end a row
+        )
+        for seed in seeds
+    ]
+
+
+def _eos_ids(config: transformers.GenerationConfig) -> tuple[int, ...]:
+    eos = config.eos_token_id
+    if eos is None:
+        return ()
+    return (int(eos),) if isinstance(eos, int) else tuple(int(i) for i in eos)
+
+
+def _pad_id(config: transformers.GenerationConfig) -> int:
+    """``pad_token_id``, else the first EOS id (as transformers falls back), else 0."""
+    if config.pad_token_id is not None:
+        return int(config.pad_token_id)
+    eos = _eos_ids(config)
+    return eos[0] if eos else 0
+
+
+def _assemble(
+    input_ids: torch.Tensor,  # [B, L]
+    new_tokens: list[list[int]],  # [B] each row's generated tokens
+    config: transformers.GenerationConfig,
+) -> torch.Tensor:  # [B, L + longest]
+    """transformers' output: each input row as given, then its new tokens, padded on the
+    right with ``pad_token_id`` to the longest row's."""
+    width = max(len(tokens) for tokens in new_tokens)
+    new = torch.full((len(new_tokens), width), _pad_id(config), dtype=input_ids.dtype)
+    for row, tokens in enumerate(new_tokens):
+        new[row, : len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
+    return torch.cat([input_ids, new.to(input_ids.device)], dim=1)
+
+
+def _stream(
+    llm: LLM, prompt: list[int], params: SamplingParams, input_ids: torch.Tensor, streamer: Any
+) -> list[int]:
+    """One row, its tokens handed to ``streamer`` as they come: first the input ids, then each
+    step's new tokens, then ``end()``, as transformers' ``generate`` calls it."""
+    streamer.put(input_ids.cpu())
+    tokens: list[int] = []
+    try:
+        for delta in llm.stream(prompt, params):
+            if delta.token_ids:
+                tokens += delta.token_ids
+                streamer.put(torch.tensor(delta.token_ids))
+    finally:
+        streamer.end()
+    return tokens

@@ -1,0 +1,221 @@
+"""``specdec.wrap``: transformers' ``generate`` on the engine, same outputs, same storage."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import GPT2Config, GPT2LMHeadModel, TextStreamer
+
+import specdec
+from specdec import LLM, SamplingParams
+from specdec.loader import UnsupportedModelError
+from tests.tiny import byte_tokenizer, tiny_model
+
+TEXTS = ["hello world", "the quick brown fox jumps over", "a", "speculative decoding is exact"]
+
+
+def model_and_tokenizer(arch: str = "llama", seed: int = 0):  # noqa: ANN201
+    tokenizer = byte_tokenizer()
+    model = tiny_model(arch, seed)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.eos_token_id
+    return model, tokenizer
+
+
+def left_padded(tokenizer, texts: list[str], pad: int = 0):  # noqa: ANN001, ANN201
+    rows = [tokenizer.encode(t) for t in texts]
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_equals_transformers(arch, batch):
+    model, tokenizer = model_and_tokenizer(arch)
+    ids, mask = left_padded(tokenizer, TEXTS[:batch])
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+    fast = specdec.wrap(model, tokenizer)
+    assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=24), expected)
+    # the drafters that transformers' own arguments switch on change nothing
+    looked_up = fast.generate(
+        ids, attention_mask=mask, max_new_tokens=24, prompt_lookup_num_tokens=3
+    )
+    assert torch.equal(looked_up, expected)
+    assistant = tiny_model(arch, seed=1)
+    assisted = fast.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=24,
+        assistant_model=assistant,
+        num_assistant_tokens=4,
+    )
+    assert torch.equal(assisted, expected)
+    assert fast._llm.engine.verifier.stats.num_draft_tokens > 0  # the assistant did draft
+
+
+def test_output_object_mask_inferred_and_max_length():
+    model, tokenizer = model_and_tokenizer()
+    ids, mask = left_padded(tokenizer, TEXTS, pad=tokenizer.eos_token_id)
+    fast = specdec.wrap(model, tokenizer)
+    # no mask: inferred from pad_token_id as transformers does (pad = eos here: none inferred)
+    model.generation_config.pad_token_id = 299
+    ids = torch.where(mask.bool(), ids, 299)
+    expected = model.generate(ids, max_length=ids.shape[1] + 10, do_sample=False)
+    out = fast.generate(input_ids=ids, max_length=ids.shape[1] + 10, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+
+
+def test_list_of_eos_ids_stops_each_row_at_the_first():
+    model, tokenizer = model_and_tokenizer()
+    ids, mask = left_padded(tokenizer, TEXTS)
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+    new = free[:, ids.shape[1] :]
+    eos = [int(new[0, 5]), int(new[1, 8])]  # tokens that end rows 0 and 1 early
+    kwargs = dict(attention_mask=mask, max_new_tokens=30, eos_token_id=eos, pad_token_id=0)
+    expected = model.generate(ids, do_sample=False, **kwargs)
+    assert expected.shape[1] < free.shape[1] or bool((expected[:, ids.shape[1] :] == 0).any())
+    fast = specdec.wrap(model, tokenizer)
+    assert torch.equal(fast.generate(ids, **kwargs), expected)
+    # min_new_tokens holds the EOS ids back, as transformers' logits processor does
+    kwargs["min_new_tokens"] = 12
+    assert torch.equal(fast.generate(ids, **kwargs), model.generate(ids, **kwargs))
+
+
+def test_engine_stops_at_every_eos_id_of_the_generation_config(make_llm):
+    """``LLM`` (and so ``serve``) ends a sequence at any EOS id of the model's generation
+    config, as well as at the tokenizer's."""
+    plain = make_llm()
+    prompt = plain.encode("the quick brown fox")
+    free = plain.generate([prompt], SamplingParams(temperature=0, max_tokens=20))[0].token_ids
+    model = plain.hf_model
+    model.generation_config.eos_token_id = [byte_tokenizer().eos_token_id, free[6]]
+    llm = LLM(model, tokenizer=byte_tokenizer())
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20))[0]
+    assert out.token_ids == free[: free.index(free[6]) + 1] and out.finish_reason == "stop"
+    # min_tokens holds every EOS id back
+    held = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, min_tokens=20))
+    assert len(held[0].token_ids) == 20
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+
+
+def test_seeded_sampling_is_reproducible_across_drafters_and_batches():
+    model, tokenizer = model_and_tokenizer()
+    ids, mask = left_padded(tokenizer, TEXTS)
+    fast = specdec.wrap(model, tokenizer)
+    kwargs = dict(attention_mask=mask, max_new_tokens=16, do_sample=True, temperature=0.9)
+    torch.manual_seed(7)
+    first = fast.generate(ids, **kwargs)
+    torch.manual_seed(7)
+    again = fast.generate(ids, prompt_lookup_num_tokens=4, **kwargs)
+    torch.manual_seed(8)
+    other = fast.generate(ids, **kwargs)
+    assert torch.equal(first, again) and not torch.equal(first, other)
+
+
+def test_sampled_distribution_matches_transformers():
+    """First sampled tokens follow transformers' distribution after its own warpers
+    (temperature, and its default top_k=50): a chi-square test that fails on a wrong warper."""
+    model, tokenizer = model_and_tokenizer()
+    model.generation_config.pad_token_id = None
+    prompt = tokenizer.encode("once upon a time")
+    logits = model(torch.tensor([prompt])).logits[0, -1] / 1.5
+    kept = logits.topk(50).indices
+    probs = torch.softmax(logits[kept].double(), dim=-1).detach().numpy()
+    fast = specdec.wrap(model, tokenizer)
+    n = 1500
+    ids = torch.tensor([prompt] * n)
+    torch.manual_seed(0)
+    out = fast.generate(ids, max_new_tokens=1, do_sample=True, temperature=1.5)[:, -1]
+    assert set(out.tolist()) <= set(kept.tolist())  # top_k=50 applied
+    index = {int(t): i for i, t in enumerate(kept)}
+    counts = np.bincount([index[int(t)] for t in out], minlength=50)
+    expected = probs * n
+    order = np.argsort(expected)  # pool the rarest tokens into one bin of at least 5 expected
+    rare = order[np.cumsum(expected[order]) < 5]
+    common = np.setdiff1d(np.arange(50), rare)
+    observed = [*counts[common], counts[rare].sum()] if len(rare) else counts[common]
+    pooled = np.array([*expected[common], expected[rare].sum()] if len(rare) else expected)
+    assert chisquare(observed, pooled * n / pooled.sum()).pvalue > 1e-4
+
+
+def test_streamer_receives_prompt_then_tokens(capsys):
+    model, tokenizer = model_and_tokenizer()
+    ids = torch.tensor([tokenizer.encode("hello world")])
+    fast = specdec.wrap(model, tokenizer)
+    out = fast.generate(ids, max_new_tokens=12, streamer=TextStreamer(tokenizer, skip_prompt=True))
+    printed = capsys.readouterr().out
+    assert printed.strip() == tokenizer.decode(out[0, ids.shape[1] :]).strip()
+    with pytest.raises(ValueError, match="batch size 1"):
+        fast.generate(ids.repeat(2, 1), max_new_tokens=4, streamer=TextStreamer(tokenizer))
+
+
+def test_num_return_sequences_expands_rows():
+    model, tokenizer = model_and_tokenizer()
+    ids, mask = left_padded(tokenizer, TEXTS[:2])
+    fast = specdec.wrap(model, tokenizer)
+    out = fast.generate(
+        ids, attention_mask=mask, max_new_tokens=8, do_sample=True, num_return_sequences=3
+    )
+    assert out.shape[0] == 6 and torch.equal(out[:3, : ids.shape[1]], ids[:1].expand(3, -1))
+
+
+def test_weights_are_shared_not_copied():
+    model, tokenizer = model_and_tokenizer("qwen2")  # q/k/v biases too
+    before = {name: (p, p.detach().clone()) for name, p in model.named_parameters()}
+    fast = specdec.wrap(model, tokenizer)
+    for name, p in model.named_parameters():  # the same parameters, with the same values
+        assert p is before[name][0] and torch.equal(p, before[name][1]), name
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    native = {p.untyped_storage().data_ptr() for p in fast.native.parameters()}
+    assert native <= storages  # every native weight lies in the model's own memory
+    layer, ours = model.model.layers[0], fast.native.layers[0]
+    q, qkv = layer.self_attn.q_proj.weight, ours.self_attn.qkv_proj.weight
+    assert q.data_ptr() == qkv.data_ptr()  # q is the fused matrix's first rows
+    # an in-place change to the model's weights is seen by the engine: one copy of the weights
+    ids = torch.tensor([tokenizer.encode("hello")])
+    first = fast.generate(ids, max_new_tokens=6)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(-1.0)
+    assert not torch.equal(fast.generate(ids, max_new_tokens=6), first)
+
+
+def test_wrong_arguments_are_refused():
+    model, tokenizer = model_and_tokenizer()
+    fast = specdec.wrap(model, tokenizer)
+    ids = torch.tensor([tokenizer.encode("hi")])
+    with pytest.raises(ValueError, match="not used by the model.*max_new_token"):
+        fast.generate(ids, max_new_token=4)
+    with pytest.raises(ValueError, match=r"num_beams=2\) is not supported"):
+        fast.generate(ids, num_beams=2)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        fast.generate(ids, repetition_penalty=1.3)
+    with pytest.raises(ValueError, match="strictly positive"):
+        fast.generate(ids, do_sample=True, temperature=0.0)
+    with pytest.raises(ValueError, match="max_length"):
+        fast.generate(ids, max_length=1)
+    with pytest.raises(ValueError, match="not both"):
+        fast.generate(ids, assistant_model=model, prompt_lookup_num_tokens=3)
+    with pytest.raises(ValueError, match="no token under its attention_mask"):
+        fast.generate(ids, attention_mask=torch.zeros_like(ids), max_new_tokens=2)
+
+
+def test_models_the_engine_cannot_run_are_refused():
+    tokenizer = byte_tokenizer()
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=300))
+    with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM"):
+        specdec.wrap(gpt2, tokenizer)
+    model = tiny_model()
+    model.hf_device_map = {"model.layers.0": "cpu", "model.layers.1": 0}
+    with pytest.raises(ValueError, match="dispatched by accelerate"):
+        specdec.wrap(model, tokenizer)
+    with pytest.raises(ValueError, match="float16"):
+        specdec.wrap(tiny_model().half(), tokenizer)
+    with pytest.raises(TypeError, match="transformers model"):
+        specdec.wrap(object(), tokenizer)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        specdec.wrap(tiny_model())
