@@ -45,7 +45,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from specdec.config import SamplingParams
 from specdec.drafters.registry import SpecConfig
 from specdec.llm import LLM
-from specdec.loader import check_architecture, load_checkpoint
+from specdec.loader import check_architecture, eos_ids_of, load_checkpoint
 from specdec.models.llama import LlamaForCausalLM
 
 # Generation-config fields the engine does not implement, with the values that leave them off.
@@ -293,7 +293,7 @@ def prompt_rows(
     """Each row's prompt: its tokens where the mask is 1. Without a mask, as transformers
     infers one: padding is ``pad_token_id`` where it occurs and differs from every EOS id."""
     if attention_mask is None:
-        pad, eos = config.pad_token_id, _eos_ids(config)
+        pad, eos = config.pad_token_id, eos_ids_of(config)
         if pad is not None and pad not in eos and bool((input_ids == pad).any()):
             attention_mask = input_ids != pad
         else:
@@ -335,25 +335,18 @@ def sampling_params(
             top_p=float(config.top_p or 1.0) if sample else 1.0,
             min_p=float(config.min_p or 0.0) if sample else 0.0,
             seed=seed,
-            stop_token_ids=list(_eos_ids(config)),
+            stop_token_ids=list(eos_ids_of(config)),
             ignore_eos=True,  # the config's EOS ids above, not the engine's, end a row
         )
         for seed in seeds
     ]
 
 
-def _eos_ids(config: transformers.GenerationConfig) -> tuple[int, ...]:
-    eos = config.eos_token_id
-    if eos is None:
-        return ()
-    return (int(eos),) if isinstance(eos, int) else tuple(int(i) for i in eos)
-
-
 def _pad_id(config: transformers.GenerationConfig) -> int:
     """``pad_token_id``, else the first EOS id (as transformers falls back), else 0."""
     if config.pad_token_id is not None:
         return int(config.pad_token_id)
-    eos = _eos_ids(config)
+    eos = eos_ids_of(config)
     return eos[0] if eos else 0
 
 

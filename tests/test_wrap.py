@@ -219,3 +219,39 @@ def test_models_the_engine_cannot_run_are_refused():
         specdec.wrap(object(), tokenizer)
     with pytest.raises(ValueError, match="no tokenizer"):
         specdec.wrap(tiny_model())
+
+
+@pytest.mark.integration
+def test_default_model_wrap_equals_its_own_generate():
+    """The default model: wrap's batch-1 tensors equal transformers' exactly, and a left-padded
+    batch of 4 gives each row transformers' unpadded continuation."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specdec.loader import default_model_dir
+
+    path = default_model_dir()
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    questions = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "List three prime numbers.",
+        "Explain what a hash table is in one sentence.",
+    ]
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+        )
+        for q in questions
+    ]
+    singles = [tokenizer([t], return_tensors="pt", add_special_tokens=False) for t in texts]
+    expected = [model.generate(**s, max_new_tokens=24, do_sample=False) for s in singles]
+    fast = specdec.wrap(model, tokenizer)
+    for single, reference in zip(singles, expected):
+        assert torch.equal(fast.generate(**single, max_new_tokens=24), reference)
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    out = fast.generate(**batch, max_new_tokens=24, prompt_lookup_num_tokens=5)
+    width = batch["input_ids"].shape[1]
+    for row, single, reference in zip(out, singles, expected):
+        new = reference[0, single["input_ids"].shape[1] :]
+        assert torch.equal(row[width : width + len(new)], new)
