@@ -142,6 +142,10 @@ class WrappedModel:
         input_ids = kwargs.pop("input_ids", None) if inputs is None else inputs
         attention_mask = kwargs.pop("attention_mask", None)
         prompt_lookup = kwargs.pop("prompt_lookup_num_tokens", None)
+        # asked for by the caller, not filled in from transformers' defaults (a constant 20)
+        num_assistant_tokens = kwargs.get(
+            "num_assistant_tokens", getattr(generation_config, "num_assistant_tokens", None)
+        )
         config = resolve_config(self.model, generation_config)
         unused = config.update(**kwargs)
         if unused:
@@ -159,7 +163,7 @@ class WrappedModel:
         seeds = [int(torch.randint(2**63 - 1, ())) for _ in range(len(input_ids) * copies)]
         prompts = [p for p in prompt_rows(input_ids, attention_mask, config) for _ in range(copies)]
         params = sampling_params(config, input_ids.shape[1], seeds)
-        llm = self._engine(assistant_model, prompt_lookup, config)
+        llm = self._engine(assistant_model, prompt_lookup, num_assistant_tokens, config)
         if streamer is not None:
             new_tokens = [_stream(llm, prompts[0], params[0], input_ids, streamer)]
         else:
@@ -173,6 +177,7 @@ class WrappedModel:
         self,
         assistant_model: Any,
         prompt_lookup: int | None,
+        num_assistant_tokens: int | None,
         config: transformers.GenerationConfig,
     ) -> LLM:
         """The engine for this call's drafter. Engines share the native model and are kept for
@@ -185,8 +190,8 @@ class WrappedModel:
         if assistant_model is not None:
             check_placement(assistant_model)
             k, adaptive = 8, True  # the engine's default: up to 8 drafts, as they pay
-            if config.num_assistant_tokens is not None:  # transformers' schedule, if asked for
-                k = config.num_assistant_tokens
+            if num_assistant_tokens is not None:  # transformers' schedule, if asked for
+                k = num_assistant_tokens
                 adaptive = config.num_assistant_tokens_schedule not in (None, "constant")
             speculative = SpecConfig("draft_model", k, adaptive, draft_model=assistant_model)
             key = ("draft_model", assistant_model, k, adaptive)  # holds it: no id reuse
