@@ -29,6 +29,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # extra ids that end generation
     ignore_eos: bool = False  # keep generating past the end-of-sequence token
     num_speculative_tokens: int | None = None  # cap on drafts per step; 0 turns speculation off
+    return_logits: bool = False  # hand back each generated token's raw logits (RequestOutput)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -111,7 +111,8 @@ class Engine:
             padded = len(out.seqs) * max(out.num_scheduled_tokens)  # attention pads to this
             self.policy.observe_step(padded, time.perf_counter() - start)
         updated = self.scheduler.update(out, verification.emitted)
-        deltas = [self._delta(seq) for seq in updated]
+        logits = {seq.seq_id: rows for seq, rows in zip(out.seqs, verification.logits)}
+        deltas = [self._delta(seq, logits.get(seq.seq_id)) for seq in updated]
         self._propose(FinishedStep(out, res, verification))
         return deltas
 
@@ -132,8 +133,9 @@ class Engine:
         )
         drafter.propose(running, ks, step)
 
-    def _delta(self, seq: Sequence) -> RequestOutput:
-        """The text and tokens ``seq`` gained since its previous delta."""
+    def _delta(self, seq: Sequence, logits: torch.Tensor | None = None) -> RequestOutput:
+        """The text and tokens ``seq`` gained since its previous delta; ``logits``: the rows
+        of this step's emitted tokens, of which the kept ones are handed back."""
         text = self.detokenizer.step(seq, self.scheduler)
         new_tokens = seq.output_token_ids[seq.num_returned_tokens :]
         seq.num_returned_tokens = seq.num_output_tokens
@@ -147,4 +149,5 @@ class Engine:
             seq.is_finished,
             seq.finish_reason,
             seq.metrics,
+            None if logits is None else logits[: len(new_tokens)],
         )

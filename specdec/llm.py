@@ -114,7 +114,7 @@ class LLM:
             results = {i: RequestOutput(i, self.engine.requests[i].prompt_token_ids) for i in ids}
             while self.engine.has_unfinished():
                 for delta in self.engine.step():
-                    _merge(results[delta.request_id], delta)
+                    merge_delta(results[delta.request_id], delta)
         except BaseException:
             for i in ids:
                 self.engine.abort(i)
@@ -188,9 +188,12 @@ def _is_single(prompts: Any) -> bool:
     )
 
 
-def _merge(total: RequestOutput, delta: RequestOutput) -> None:
+def merge_delta(total: RequestOutput, delta: RequestOutput) -> None:
     total.token_ids += delta.token_ids
     total.text += delta.text
+    if delta.logits is not None:
+        parts = [delta.logits] if total.logits is None else [total.logits, delta.logits]
+        total.logits = torch.cat(parts)
     total.finished, total.finish_reason, total.metrics = (
         delta.finished,
         delta.finish_reason,

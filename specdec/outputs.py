@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from specdec.sequence import SequenceMetrics
 
 
@@ -22,3 +24,6 @@ class RequestOutput:
     finished: bool = False  # no more output will come
     finish_reason: str | None = None  # "stop" (EOS, stop token or string) or "length"
     metrics: SequenceMetrics = field(default_factory=SequenceMetrics)
+    # [len(token_ids), V] float32 raw logits each generated token was decided from (the row
+    # plain decoding reads, draft or not), when SamplingParams.return_logits; else None
+    logits: torch.Tensor | None = None

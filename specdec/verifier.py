@@ -97,6 +97,9 @@ class Verification:
 
     emitted: list[list[int]]  # [B] tokens each emits this step: accepted drafts, then one more
     num_drafts: list[int]  # [B] drafts each verified (0 for a prefill chunk or a plain decode)
+    # [B] raw logits of the rows the emitted tokens came from, [len(emitted[i]), V], for the
+    # sequences whose params ask for them (return_logits); None for the others
+    logits: list[torch.Tensor | None] = field(default_factory=list)
 
     @property
     def num_accepted(self) -> list[int]:  # [B] drafts each accepted
@@ -110,11 +113,17 @@ class Verifier:
     def verify(self, out: SchedulerOutput, res: StepResult) -> Verification:
         """Decide, for every scheduled sequence, the tokens it emits this step (maybe none),
         and count the drafts verified and accepted."""
-        verification = Verification([[] for _ in out.seqs], [0] * len(out.seqs))
+        verification = Verification(
+            [[] for _ in out.seqs], [0] * len(out.seqs), [None] * len(out.seqs)
+        )
         seqs = [out.seqs[i] for i in res.sample_indices]
         tokens = self._walk(seqs, res.logits, res.num_logit_rows)
+        first_row = 0
         for i, seq_tokens, rows in zip(res.sample_indices, tokens, res.num_logit_rows):
             verification.emitted[i], verification.num_drafts[i] = seq_tokens, rows - 1
+            if out.seqs[i].params.return_logits:  # a copy: the step's logits are let go
+                verification.logits[i] = res.logits[first_row : first_row + len(seq_tokens)].clone()
+            first_row += rows
         num_drafts = [n - 1 for n in res.num_logit_rows]
         self.stats.record(seqs, num_drafts, [len(t) - 1 for t in tokens])
         return verification

@@ -28,8 +28,9 @@ set), ``top_p``, ``min_p``, ``max_new_tokens`` / ``max_length``, ``min_new_token
 ``min_length``, ``eos_token_id`` (an int or a list), ``pad_token_id``,
 ``num_return_sequences``. Every row's noise seed is drawn from torch's global generator, so
 ``torch.manual_seed(s)`` before a call makes it reproducible, whatever the drafter or batch.
-Options whose effect the engine does not implement (beam search, repetition penalties, scores)
-are refused with a ``ValueError`` naming them, never ignored.
+``return_dict_in_generate`` with ``output_logits`` / ``output_scores`` hands back the rows each
+token was decided from. Options whose effect the engine does not implement (beam search,
+repetition penalties, attentions) are refused with a ``ValueError`` naming them, never ignored.
 """
 
 from __future__ import annotations
@@ -44,9 +45,11 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from specdec.config import SamplingParams
 from specdec.drafters.registry import SpecConfig
-from specdec.llm import LLM
+from specdec.llm import LLM, merge_delta
 from specdec.loader import check_architecture, eos_ids_of, load_checkpoint
 from specdec.models.llama import LlamaForCausalLM
+from specdec.outputs import RequestOutput
+from specdec.sampling import process_logits_for
 
 # Generation-config fields the engine does not implement, with the values that leave them off.
 UNSUPPORTED = {
@@ -71,8 +74,6 @@ UNSUPPORTED = {
     "stop_strings": (None,),
     "max_time": (None,),
     "watermarking_config": (None,),
-    "output_scores": (None, False),
-    "output_logits": (None, False),
     "output_attentions": (None, False),
     "output_hidden_states": (None, False),
 }
@@ -165,13 +166,19 @@ class WrappedModel:
         params = sampling_params(config, input_ids.shape[1], seeds)
         llm = self._engine(assistant_model, prompt_lookup, num_assistant_tokens, config)
         if streamer is not None:
-            new_tokens = [_stream(llm, prompts[0], params[0], input_ids, streamer)]
+            outputs = [_stream(llm, prompts[0], params[0], input_ids, streamer)]
         else:
-            new_tokens = [out.token_ids for out in llm.generate(prompts, params)]
+            outputs = llm.generate(prompts, params)
+        new_tokens = [out.token_ids for out in outputs]
         sequences = _assemble(input_ids.repeat_interleave(copies, dim=0), new_tokens, config)
-        if config.return_dict_in_generate:
-            return GenerateDecoderOnlyOutput(sequences=sequences)  # type: ignore[arg-type]
-        return sequences
+        if not config.return_dict_in_generate:
+            return sequences
+        logits = [out.logits for out in outputs]
+        return GenerateDecoderOnlyOutput(
+            sequences=sequences,  # type: ignore[arg-type]
+            scores=_per_step(_scores(logits, params)) if config.output_scores else None,  # type: ignore[arg-type]
+            logits=_per_step(logits) if config.output_logits else None,  # type: ignore[arg-type]
+        )
 
     def _engine(
         self,
@@ -342,6 +349,7 @@ def sampling_params(
             seed=seed,
             stop_token_ids=list(eos_ids_of(config)),
             ignore_eos=True,  # the config's EOS ids above, not the engine's, end a row
+            return_logits=bool(config.output_scores or config.output_logits),
         )
         for seed in seeds
     ]
@@ -371,16 +379,49 @@ def _assemble(
 
 def _stream(
     llm: LLM, prompt: list[int], params: SamplingParams, input_ids: torch.Tensor, streamer: Any
-) -> list[int]:
+) -> RequestOutput:
     """One row, its tokens handed to ``streamer`` as they come: first the input ids, then each
     step's new tokens, then ``end()``, as transformers' ``generate`` calls it."""
     streamer.put(input_ids.cpu())
-    tokens: list[int] = []
+    total = RequestOutput(-1, prompt)
     try:
         for delta in llm.stream(prompt, params):
             if delta.token_ids:
-                tokens += delta.token_ids
+                merge_delta(total, delta)
                 streamer.put(torch.tensor(delta.token_ids))
     finally:
         streamer.end()
-    return tokens
+    return total
+
+
+def _scores(
+    logits: list[torch.Tensor | None],  # [B] each [n_b, V] raw logits of row b's tokens
+    params: list[SamplingParams],  # [B]
+) -> list[torch.Tensor | None]:  # [B] each [n_b, V]
+    """transformers' ``scores``, up to a constant per row: the logits after the processors
+    (``min_new_tokens`` masks the EOS ids) and, when sampling, log-probabilities after the
+    warpers (temperature, top-k, top-p, min-p); ``compute_transition_scores`` gives the same
+    log-probabilities either way."""
+    scores: list[torch.Tensor | None] = []
+    for rows, sp in zip(logits, params):
+        if rows is None:
+            scores.append(None)
+            continue
+        rows = rows.clone()
+        rows[: sp.min_tokens, sp.stop_token_ids] = float("-inf")
+        if not sp.is_greedy:
+            rows = process_logits_for(rows, [sp] * len(rows)).log()
+        scores.append(rows)
+    return scores
+
+
+def _per_step(rows: list[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
+    """``[B]`` tensors of ``[n_b, V]`` as transformers' tuple of one ``[B, V]`` per step;
+    a row that had already ended reads zeros there."""
+    present = [r for r in rows if r is not None]
+    steps, vocab = max(len(r) for r in present), present[0].shape[1]
+    out = torch.zeros(steps, len(rows), vocab)
+    for b, r in enumerate(rows):
+        if r is not None:
+            out[: len(r), b] = r
+    return tuple(out.unbind(0))

@@ -204,7 +204,7 @@ def test_wrong_arguments_are_refused():
         fast.generate(ids, attention_mask=torch.zeros_like(ids), max_new_tokens=2)
 
 
-def test_models_the_engine_cannot_run_are_refused():
+def test_models_the_engine_cannot_run_are_refused(monkeypatch):
     tokenizer = byte_tokenizer()
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=300))
     with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM"):
@@ -215,6 +215,11 @@ def test_models_the_engine_cannot_run_are_refused():
         specdec.wrap(model, tokenizer)
     with pytest.raises(ValueError, match="float16"):
         specdec.wrap(tiny_model().half(), tokenizer)
+    on_gpu = tiny_model()
+    monkeypatch.setattr(type(on_gpu), "device", property(lambda self: torch.device("cuda:0")))
+    with pytest.raises(ValueError, match=r"on cuda:0: specdec.wrap runs on the CPU"):
+        specdec.wrap(on_gpu, tokenizer)
+    monkeypatch.undo()
     with pytest.raises(TypeError, match="transformers model"):
         specdec.wrap(object(), tokenizer)
     with pytest.raises(ValueError, match="no tokenizer"):
@@ -255,3 +260,41 @@ def test_default_model_wrap_equals_its_own_generate():
     for row, single, reference in zip(out, singles, expected):
         new = reference[0, single["input_ids"].shape[1] :]
         assert torch.equal(row[width : width + len(new)], new)
+
+
+def test_output_logits_and_scores_match_transformers():
+    model, tokenizer = model_and_tokenizer()
+    ids, mask = left_padded(tokenizer, TEXTS[:2])
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    eos = int(free[0, ids.shape[1] + 4])  # ends row 0 early: its later steps are padding
+    kwargs = dict(
+        attention_mask=mask,
+        eos_token_id=eos,
+        pad_token_id=0,
+        max_new_tokens=10,
+        min_new_tokens=3,
+        return_dict_in_generate=True,
+        output_logits=True,
+        output_scores=True,
+    )
+    expected = model.generate(ids, do_sample=False, **kwargs)
+    fast = specdec.wrap(model, tokenizer)
+    out = fast.generate(ids, prompt_lookup_num_tokens=3, **kwargs)  # rows of drafted steps too
+    assert torch.equal(out.sequences, expected.sequences)
+    assert len(out.logits) == len(expected.logits) == len(out.scores)
+    new = out.sequences[:, ids.shape[1] :]
+    ended = (new == eos).cumsum(1)
+    running = (ended == 0) | ((ended == 1) & (new == eos))  # [B, steps] generating then
+    assert not bool(running.all())  # a row ended early: the padded steps are skipped below
+    for step, (ours, theirs) in enumerate(zip(out.logits, expected.logits)):
+        rows = running[:, step]
+        torch.testing.assert_close(ours[rows], theirs[rows], atol=1e-4, rtol=1e-4)
+    transition = model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
+    reference = model.compute_transition_scores(
+        expected.sequences, expected.scores, normalize_logits=True
+    )
+    torch.testing.assert_close(transition[running], reference[running], atol=1e-4, rtol=1e-4)
+    # sampled: scores are log-probabilities after the warpers, top_k=5 keeps 5 per row
+    sampled = fast.generate(ids, do_sample=True, top_k=5, **kwargs)
+    assert all(bool((torch.isfinite(s).sum(-1) == 5).all()) for s in sampled.scores[3:4])
+    assert fast.generate(ids, attention_mask=mask, max_new_tokens=4).dim() == 2
