@@ -47,7 +47,7 @@ from specdec.config import SamplingParams
 from specdec.drafters.registry import SpecConfig
 from specdec.llm import LLM, merge_delta
 from specdec.loader import check_architecture, eos_ids_of, load_checkpoint
-from specdec.models.llama import LlamaForCausalLM
+from specdec.models.llama import LlamaForCausalLM, rows_adjacent
 from specdec.outputs import RequestOutput
 from specdec.sampling import process_logits_for
 
@@ -260,8 +260,8 @@ def fuse_projections(model: transformers.PreTrainedModel) -> None:
 def _fuse_rows(linears: list[nn.Linear]) -> None:
     for name in ("weight", "bias"):
         params = [getattr(linear, name) for linear in linears]
-        if any(p is None for p in params):
-            continue
+        if any(p is None for p in params) or rows_adjacent([p.detach() for p in params]):
+            continue  # no such parameters, or fused already (a second wrap of the model)
         fused = torch.cat([p.detach() for p in params], dim=0)  # [sum of out_features, ...]
         start = 0
         for p in params:

@@ -298,3 +298,15 @@ def test_output_logits_and_scores_match_transformers():
     sampled = fast.generate(ids, do_sample=True, top_k=5, **kwargs)
     assert all(bool((torch.isfinite(s).sum(-1) == 5).all()) for s in sampled.scores[3:4])
     assert fast.generate(ids, attention_mask=mask, max_new_tokens=4).dim() == 2
+
+
+def test_wrapping_twice_fuses_once():
+    model, tokenizer = model_and_tokenizer()
+    first = specdec.wrap(model, tokenizer)
+    second = specdec.wrap(model, tokenizer)
+    qkv = [w.native.layers[1].self_attn.qkv_proj.weight for w in (first, second)]
+    assert (
+        qkv[0].data_ptr()
+        == qkv[1].data_ptr()
+        == model.model.layers[1].self_attn.q_proj.weight.data_ptr()
+    )

@@ -332,11 +332,18 @@ def concat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
     """``torch.cat(parts)`` along rows; a view, not a copy, when the parts already lie back to
     back in one storage (as :func:`specdec.wrap.fuse_projections` leaves a model's q/k/v and
     gate/up weights)."""
+    if not rows_adjacent(parts):
+        return torch.cat(parts, dim=0)
+    first, rows = parts[0], sum(part.shape[0] for part in parts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride())
+
+
+def rows_adjacent(parts: list[torch.Tensor]) -> bool:
+    """Whether contiguous ``parts`` lie back to back, in order, in one storage."""
     first, end = parts[0], parts[0].data_ptr()
     for part in parts:
-        adjacent = part.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-        if not (adjacent and part.is_contiguous() and part.data_ptr() == end):
-            return torch.cat(parts, dim=0)
+        same = part.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        if not (same and part.is_contiguous() and part.data_ptr() == end):
+            return False
         end += part.numel() * part.element_size()
-    rows = sum(part.shape[0] for part in parts)
-    return first.as_strided((rows, *first.shape[1:]), first.stride())
+    return True
