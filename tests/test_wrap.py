@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
-from transformers import GPT2Config, GPT2LMHeadModel, TextStreamer
+from transformers import GPT2Config, GPT2LMHeadModel, TextIteratorStreamer, TextStreamer
 
 import specdec
 from specdec import LLM, SamplingParams
@@ -152,6 +154,15 @@ def test_streamer_receives_prompt_then_tokens(capsys):
     assert printed.strip() == tokenizer.decode(out[0, ids.shape[1] :]).strip()
     with pytest.raises(ValueError, match="batch size 1"):
         fast.generate(ids.repeat(2, 1), max_new_tokens=4, streamer=TextStreamer(tokenizer))
+    # the iterator streamer, read while generate runs in another thread, as its docs show
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True)
+    worker = threading.Thread(
+        target=fast.generate, args=(ids,), kwargs=dict(max_new_tokens=12, streamer=streamer)
+    )
+    worker.start()
+    text = "".join(streamer)
+    worker.join()
+    assert text.strip() == printed.strip()
 
 
 def test_num_return_sequences_expands_rows():
