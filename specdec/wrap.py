@@ -35,7 +35,6 @@ repetition penalties, attentions) are refused with a ``ValueError`` naming them,
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -43,40 +42,14 @@ import transformers
 from torch import nn
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from specdec import generate_semantics as hf
 from specdec.config import SamplingParams
 from specdec.drafters.registry import SpecConfig
 from specdec.llm import LLM, merge_delta
-from specdec.loader import check_architecture, eos_ids_of, load_checkpoint
+from specdec.loader import check_architecture, load_checkpoint
 from specdec.models.llama import LlamaForCausalLM, rows_adjacent
 from specdec.outputs import RequestOutput
-from specdec.sampling import process_logits_for
 
-# Generation-config fields the engine does not implement, with the values that leave them off.
-UNSUPPORTED = {
-    "num_beams": (None, 1),
-    "num_beam_groups": (None, 1),
-    "penalty_alpha": (None,),
-    "repetition_penalty": (None, 1.0),
-    "encoder_repetition_penalty": (None, 1.0),
-    "no_repeat_ngram_size": (None, 0),
-    "bad_words_ids": (None,),
-    "force_words_ids": (None,),
-    "sequence_bias": (None,),
-    "suppress_tokens": (None,),
-    "begin_suppress_tokens": (None,),
-    "forced_bos_token_id": (None,),
-    "forced_eos_token_id": (None,),
-    "typical_p": (None, 1.0),
-    "epsilon_cutoff": (None, 0.0),
-    "eta_cutoff": (None, 0.0),
-    "guidance_scale": (None, 1.0),
-    "exponential_decay_length_penalty": (None,),
-    "stop_strings": (None,),
-    "max_time": (None,),
-    "watermarking_config": (None,),
-    "output_attentions": (None, False),
-    "output_hidden_states": (None, False),
-}
 MAX_ENGINES = 4  # engines (one per drafter asked for) kept across calls
 
 
@@ -147,14 +120,14 @@ class WrappedModel:
         num_assistant_tokens = kwargs.get(
             "num_assistant_tokens", getattr(generation_config, "num_assistant_tokens", None)
         )
-        config = resolve_config(self.model, generation_config)
+        config = hf.resolve_config(self.model, generation_config)
         unused = config.update(**kwargs)
         if unused:
             raise ValueError(
                 f"The following `model_kwargs` are not used by the model: {sorted(unused)} "
                 "(note: typos in the generate arguments will also show up in this list)"
             )
-        check_config(config)
+        hf.check_config(config)
         if input_ids is None or input_ids.dim() != 2 or input_ids.shape[0] == 0:
             raise ValueError("input_ids must be a [batch, length] tensor of token ids")
         if streamer is not None and input_ids.shape[0] > 1:
@@ -162,22 +135,24 @@ class WrappedModel:
         copies = config.num_return_sequences or 1
         # drawn first, before an engine is built, so that torch.manual_seed fixes them
         seeds = [int(torch.randint(2**63 - 1, ())) for _ in range(len(input_ids) * copies)]
-        prompts = [p for p in prompt_rows(input_ids, attention_mask, config) for _ in range(copies)]
-        params = sampling_params(config, input_ids.shape[1], seeds)
+        prompts = [
+            p for p in hf.prompt_rows(input_ids, attention_mask, config) for _ in range(copies)
+        ]
+        params = hf.sampling_params(config, input_ids.shape[1], seeds)
         llm = self._engine(assistant_model, prompt_lookup, num_assistant_tokens, config)
         if streamer is not None:
             outputs = [_stream(llm, prompts[0], params[0], input_ids, streamer)]
         else:
             outputs = llm.generate(prompts, params)
         new_tokens = [out.token_ids for out in outputs]
-        sequences = _assemble(input_ids.repeat_interleave(copies, dim=0), new_tokens, config)
+        sequences = hf.assemble(input_ids.repeat_interleave(copies, dim=0), new_tokens, config)
         if not config.return_dict_in_generate:
             return sequences
         logits = [out.logits for out in outputs]
         return GenerateDecoderOnlyOutput(
             sequences=sequences,  # type: ignore[arg-type]
-            scores=_per_step(_scores(logits, params)) if config.output_scores else None,  # type: ignore[arg-type]
-            logits=_per_step(logits) if config.output_logits else None,  # type: ignore[arg-type]
+            scores=hf.per_step(hf.scores(logits, params)) if config.output_scores else None,  # type: ignore[arg-type]
+            logits=hf.per_step(logits) if config.output_logits else None,  # type: ignore[arg-type]
         )
 
     def _engine(
@@ -269,114 +244,6 @@ def _fuse_rows(linears: list[nn.Linear]) -> None:
             start += p.shape[0]
 
 
-def resolve_config(
-    model: transformers.PreTrainedModel, given: transformers.GenerationConfig | None
-) -> transformers.GenerationConfig:
-    """The call's generation config as transformers resolves it: ``given`` (else an empty one),
-    its unset fields taken from the model's own config, then from transformers' defaults
-    (``top_k=50``, ``max_length=20``, ...)."""
-    config = copy.deepcopy(given or transformers.GenerationConfig())
-    own = model.generation_config.to_dict()
-    config.update(**own, defaults_only=True, allow_custom_entries=True)
-    config.update(**config._get_default_generation_params(), defaults_only=True)
-    return config
-
-
-def check_config(config: transformers.GenerationConfig) -> None:
-    """Refuse generation options the engine does not implement, naming them."""
-    for name, neutral in UNSUPPORTED.items():
-        if getattr(config, name, None) not in neutral:
-            raise ValueError(
-                f"generate(..., {name}={getattr(config, name)!r}) is not supported by "
-                f"specdec.wrap; leave it at {neutral[-1]!r}"
-            )
-    if config.do_sample and not (config.temperature or 0) > 0:
-        raise ValueError(
-            f"`temperature` (={config.temperature}) has to be a strictly positive float when "
-            "do_sample=True; use do_sample=False for greedy decoding"
-        )
-
-
-def prompt_rows(
-    input_ids: torch.Tensor,  # [B, L]
-    attention_mask: torch.Tensor | None,  # [B, L] 1 for a token, 0 for padding
-    config: transformers.GenerationConfig,
-) -> list[list[int]]:
-    """Each row's prompt: its tokens where the mask is 1. Without a mask, as transformers
-    infers one: padding is ``pad_token_id`` where it occurs and differs from every EOS id."""
-    if attention_mask is None:
-        pad, eos = config.pad_token_id, eos_ids_of(config)
-        if pad is not None and pad not in eos and bool((input_ids == pad).any()):
-            attention_mask = input_ids != pad
-        else:
-            attention_mask = torch.ones_like(input_ids)
-    if attention_mask.shape != input_ids.shape:
-        raise ValueError(
-            f"attention_mask has shape {tuple(attention_mask.shape)}, "
-            f"input_ids {tuple(input_ids.shape)}"
-        )
-    rows = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids.cpu(), attention_mask.cpu())]
-    if any(not row for row in rows):
-        raise ValueError("a row of input_ids has no token under its attention_mask")
-    return rows
-
-
-def sampling_params(
-    config: transformers.GenerationConfig, input_length: int, seeds: list[int]
-) -> list[SamplingParams]:
-    """The engine's parameters for each row, from a generation config (transformers'
-    semantics: ``max_length`` and ``min_length`` count the padded input; the config's EOS ids,
-    and only those, end a row)."""
-    if config.max_new_tokens is not None:
-        max_new = config.max_new_tokens
-    else:
-        max_new = config.max_length - input_length
-    if max_new < 1:
-        raise ValueError(
-            f"Input length of input_ids is {input_length}, but `max_length` is set to "
-            f"{config.max_length}: set max_new_tokens to generate anything"
-        )
-    min_new = config.min_new_tokens or max(0, (config.min_length or 0) - input_length)
-    sample = bool(config.do_sample)
-    return [
-        SamplingParams(
-            max_tokens=max_new,
-            min_tokens=min(min_new, max_new),
-            temperature=float(config.temperature or 1.0) if sample else 0.0,
-            top_k=int(config.top_k or 0) if sample else 0,
-            top_p=float(config.top_p or 1.0) if sample else 1.0,
-            min_p=float(config.min_p or 0.0) if sample else 0.0,
-            seed=seed,
-            stop_token_ids=list(eos_ids_of(config)),
-            ignore_eos=True,  # the config's EOS ids above, not the engine's, end a row
-            return_logits=bool(config.output_scores or config.output_logits),
-        )
-        for seed in seeds
-    ]
-
-
-def _pad_id(config: transformers.GenerationConfig) -> int:
-    """``pad_token_id``, else the first EOS id (as transformers falls back), else 0."""
-    if config.pad_token_id is not None:
-        return int(config.pad_token_id)
-    eos = eos_ids_of(config)
-    return eos[0] if eos else 0
-
-
-def _assemble(
-    input_ids: torch.Tensor,  # [B, L]
-    new_tokens: list[list[int]],  # [B] each row's generated tokens
-    config: transformers.GenerationConfig,
-) -> torch.Tensor:  # [B, L + longest]
-    """transformers' output: each input row as given, then its new tokens, padded on the
-    right with ``pad_token_id`` to the longest row's."""
-    width = max(len(tokens) for tokens in new_tokens)
-    new = torch.full((len(new_tokens), width), _pad_id(config), dtype=input_ids.dtype)
-    for row, tokens in enumerate(new_tokens):
-        new[row, : len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
-    return torch.cat([input_ids, new.to(input_ids.device)], dim=1)
-
-
 def _stream(
     llm: LLM, prompt: list[int], params: SamplingParams, input_ids: torch.Tensor, streamer: Any
 ) -> RequestOutput:
@@ -392,36 +259,3 @@ def _stream(
     finally:
         streamer.end()
     return total
-
-
-def _scores(
-    logits: list[torch.Tensor | None],  # [B] each [n_b, V] raw logits of row b's tokens
-    params: list[SamplingParams],  # [B]
-) -> list[torch.Tensor | None]:  # [B] each [n_b, V]
-    """transformers' ``scores``, up to a constant per row: the logits after the processors
-    (``min_new_tokens`` masks the EOS ids) and, when sampling, log-probabilities after the
-    warpers (temperature, top-k, top-p, min-p); ``compute_transition_scores`` gives the same
-    log-probabilities either way."""
-    scores: list[torch.Tensor | None] = []
-    for rows, sp in zip(logits, params):
-        if rows is None:
-            scores.append(None)
-            continue
-        rows = rows.clone()
-        rows[: sp.min_tokens, sp.stop_token_ids] = float("-inf")
-        if not sp.is_greedy:
-            rows = process_logits_for(rows, [sp] * len(rows)).log()
-        scores.append(rows)
-    return scores
-
-
-def _per_step(rows: list[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
-    """``[B]`` tensors of ``[n_b, V]`` as transformers' tuple of one ``[B, V]`` per step;
-    a row that had already ended reads zeros there."""
-    present = [r for r in rows if r is not None]
-    steps, vocab = max(len(r) for r in present), present[0].shape[1]
-    out = torch.zeros(steps, len(rows), vocab)
-    for b, r in enumerate(rows):
-        if r is not None:
-            out[: len(r), b] = r
-    return tuple(out.unbind(0))

@@ -1,0 +1,187 @@
+"""transformers' ``generate`` semantics, for :mod:`specdec.wrap`: how a call's generation
+config is resolved and checked, how its inputs become prompts and sampling parameters, and how
+the engine's outputs become transformers' tensors (``sequences``, per-step ``scores`` and
+``logits``).
+
+Terms follow transformers: *processors* change logits (``min_new_tokens`` masks the EOS ids),
+*warpers* shape the sampling distribution (temperature, top-k, top-p, min-p).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import transformers
+
+from specdec.config import SamplingParams
+from specdec.loader import eos_ids_of
+from specdec.sampling import process_logits_for
+
+# Generation-config fields the engine does not implement, with the values that leave them off.
+UNSUPPORTED = {
+    "num_beams": (None, 1),
+    "num_beam_groups": (None, 1),
+    "penalty_alpha": (None,),
+    "repetition_penalty": (None, 1.0),
+    "encoder_repetition_penalty": (None, 1.0),
+    "no_repeat_ngram_size": (None, 0),
+    "bad_words_ids": (None,),
+    "force_words_ids": (None,),
+    "sequence_bias": (None,),
+    "suppress_tokens": (None,),
+    "begin_suppress_tokens": (None,),
+    "forced_bos_token_id": (None,),
+    "forced_eos_token_id": (None,),
+    "typical_p": (None, 1.0),
+    "epsilon_cutoff": (None, 0.0),
+    "eta_cutoff": (None, 0.0),
+    "guidance_scale": (None, 1.0),
+    "exponential_decay_length_penalty": (None,),
+    "stop_strings": (None,),
+    "max_time": (None,),
+    "watermarking_config": (None,),
+    "output_attentions": (None, False),
+    "output_hidden_states": (None, False),
+}
+
+
+def resolve_config(
+    model: transformers.PreTrainedModel, given: transformers.GenerationConfig | None
+) -> transformers.GenerationConfig:
+    """The call's generation config as transformers resolves it: ``given`` (else an empty one),
+    its unset fields taken from the model's own config, then from transformers' defaults
+    (``top_k=50``, ``max_length=20``, ...)."""
+    config = copy.deepcopy(given or transformers.GenerationConfig())
+    own = model.generation_config.to_dict()
+    config.update(**own, defaults_only=True, allow_custom_entries=True)
+    config.update(**config._get_default_generation_params(), defaults_only=True)
+    return config
+
+
+def check_config(config: transformers.GenerationConfig) -> None:
+    """Refuse generation options the engine does not implement, naming them."""
+    for name, neutral in UNSUPPORTED.items():
+        if getattr(config, name, None) not in neutral:
+            raise ValueError(
+                f"generate(..., {name}={getattr(config, name)!r}) is not supported by "
+                f"specdec.wrap; leave it at {neutral[-1]!r}"
+            )
+    if config.do_sample and not (config.temperature or 0) > 0:
+        raise ValueError(
+            f"`temperature` (={config.temperature}) has to be a strictly positive float when "
+            "do_sample=True; use do_sample=False for greedy decoding"
+        )
+
+
+def prompt_rows(
+    input_ids: torch.Tensor,  # [B, L]
+    attention_mask: torch.Tensor | None,  # [B, L] 1 for a token, 0 for padding
+    config: transformers.GenerationConfig,
+) -> list[list[int]]:
+    """Each row's prompt: its tokens where the mask is 1. Without a mask, as transformers
+    infers one: padding is ``pad_token_id`` where it occurs and differs from every EOS id."""
+    if attention_mask is None:
+        pad, eos = config.pad_token_id, eos_ids_of(config)
+        if pad is not None and pad not in eos and bool((input_ids == pad).any()):
+            attention_mask = input_ids != pad
+        else:
+            attention_mask = torch.ones_like(input_ids)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)}, "
+            f"input_ids {tuple(input_ids.shape)}"
+        )
+    rows = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids.cpu(), attention_mask.cpu())]
+    if any(not row for row in rows):
+        raise ValueError("a row of input_ids has no token under its attention_mask")
+    return rows
+
+
+def sampling_params(
+    config: transformers.GenerationConfig, input_length: int, seeds: list[int]
+) -> list[SamplingParams]:
+    """The engine's parameters for each row, from a generation config (transformers'
+    semantics: ``max_length`` and ``min_length`` count the padded input; the config's EOS ids,
+    and only those, end a row)."""
+    if config.max_new_tokens is not None:
+        max_new = config.max_new_tokens
+    else:
+        max_new = config.max_length - input_length
+    if max_new < 1:
+        raise ValueError(
+            f"Input length of input_ids is {input_length}, but `max_length` is set to "
+            f"{config.max_length}: set max_new_tokens to generate anything"
+        )
+    min_new = config.min_new_tokens or max(0, (config.min_length or 0) - input_length)
+    sample = bool(config.do_sample)
+    return [
+        SamplingParams(
+            max_tokens=max_new,
+            min_tokens=min(min_new, max_new),
+            temperature=float(config.temperature or 1.0) if sample else 0.0,
+            top_k=int(config.top_k or 0) if sample else 0,
+            top_p=float(config.top_p or 1.0) if sample else 1.0,
+            min_p=float(config.min_p or 0.0) if sample else 0.0,
+            seed=seed,
+            stop_token_ids=list(eos_ids_of(config)),
+            ignore_eos=True,  # the config's EOS ids above, not the engine's, end a row
+            return_logits=bool(config.output_scores or config.output_logits),
+        )
+        for seed in seeds
+    ]
+
+
+def pad_id(config: transformers.GenerationConfig) -> int:
+    """``pad_token_id``, else the first EOS id (as transformers falls back), else 0."""
+    if config.pad_token_id is not None:
+        return int(config.pad_token_id)
+    eos = eos_ids_of(config)
+    return eos[0] if eos else 0
+
+
+def assemble(
+    input_ids: torch.Tensor,  # [B, L]
+    new_tokens: list[list[int]],  # [B] each row's generated tokens
+    config: transformers.GenerationConfig,
+) -> torch.Tensor:  # [B, L + longest]
+    """transformers' output: each input row as given, then its new tokens, padded on the
+    right with ``pad_token_id`` to the longest row's."""
+    width = max(len(tokens) for tokens in new_tokens)
+    new = torch.full((len(new_tokens), width), pad_id(config), dtype=input_ids.dtype)
+    for row, tokens in enumerate(new_tokens):
+        new[row, : len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
+    return torch.cat([input_ids, new.to(input_ids.device)], dim=1)
+
+
+def scores(
+    logits: list[torch.Tensor | None],  # [B] each [n_b, V] raw logits of row b's tokens
+    params: list[SamplingParams],  # [B]
+) -> list[torch.Tensor | None]:  # [B] each [n_b, V]
+    """transformers' ``scores``, up to a constant per row: the logits after the processors
+    (``min_new_tokens`` masks the EOS ids) and, when sampling, log-probabilities after the
+    warpers (temperature, top-k, top-p, min-p); ``compute_transition_scores`` gives the same
+    log-probabilities either way."""
+    scores: list[torch.Tensor | None] = []
+    for rows, sp in zip(logits, params):
+        if rows is None:
+            scores.append(None)
+            continue
+        rows = rows.clone()
+        rows[: sp.min_tokens, sp.stop_token_ids] = float("-inf")
+        if not sp.is_greedy:
+            rows = process_logits_for(rows, [sp] * len(rows)).log()
+        scores.append(rows)
+    return scores
+
+
+def per_step(rows: list[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
+    """``[B]`` tensors of ``[n_b, V]`` as transformers' tuple of one ``[B, V]`` per step;
+    a row that had already ended reads zeros there."""
+    present = [r for r in rows if r is not None]
+    steps, vocab = max(len(r) for r in present), present[0].shape[1]
+    out = torch.zeros(steps, len(rows), vocab)
+    for b, r in enumerate(rows):
+        if r is not None:
+            out[: len(r), b] = r
+    return tuple(out.unbind(0))
