@@ -30,6 +30,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from specdec.kernels.launch_checks import check_tensors
+
 ATTENTION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LOG2E = 1.4426950408889634  # scores are kept in base 2, for exp2
 MAX_BLOCK_M = 64  # query rows per tile: bounds the float32 accumulator's registers
@@ -224,15 +226,7 @@ def check_inputs(
         "k_cache": (k_cache, (num_blocks, block_size, num_kv_heads, head_dim), (query.dtype,)),
         "v_cache": (v_cache, (num_blocks, block_size, num_kv_heads, head_dim), (query.dtype,)),
     }
-    for name, (tensor, shape, dtypes) in expected.items():
-        if tensor.dtype not in dtypes:
-            raise ValueError(f"{name} must have dtype in {dtypes}, got {tensor.dtype}")
-        if tuple(tensor.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape}, got {tuple(tensor.shape)}")
-        if not tensor.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-        if tensor.device != query.device:
-            raise ValueError(f"{name} is on {tensor.device}, query on {query.device}")
+    check_tensors(expected, "query")
     if num_kv_heads == 0 or num_q_heads % num_kv_heads:
         raise ValueError(f"Hq ({num_q_heads}) must be a multiple of Hkv ({num_kv_heads})")
 

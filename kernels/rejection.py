@@ -33,6 +33,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from specdec.kernels.launch_checks import check_tensors
+
 PROB_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -233,15 +235,7 @@ def check_inputs(
     }
     if draft_probs is not None:
         expected["draft_probs"] = (draft_probs, (num_drafts, vocab), PROB_DTYPES)
-    for name, (tensor, shape, dtypes) in expected.items():
-        if tensor.dtype not in dtypes:
-            raise ValueError(f"{name} must have dtype in {dtypes}, got {tensor.dtype}")
-        if tuple(tensor.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape}, got {tuple(tensor.shape)}")
-        if not tensor.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-        if tensor.device != target_probs.device:
-            raise ValueError(f"{name} is on {tensor.device}, target_probs on {target_probs.device}")
+    check_tensors(expected, "target_probs")
 
 
 def rejection_sample_reference(
