@@ -24,6 +24,17 @@ its recovered or bonus token, since exactly one of the two is drawn. All randomn
 float64 tensors, so the kernel and the reference, fed the same noise, emit the same tokens.
 
 Both implementations take the same arguments and return ``(output_token_ids, num_accepted)``.
+
+**Row-token mode** (:func:`verify_row_tokens_triton`, the engine's verification on CUDA): every
+target row brings its own noise ``[T + B, V]`` float32, keyed by the request's seed and the row's
+output position, and each row's *row token* is the token plain decoding would emit there: the
+argmax of the raw logits for a greedy row, the race winner ``argmax_v p_v / E_v`` for a random
+one. A draft is accepted while it equals its row token; the first row token that differs, or the
+bonus row's, ends the sequence. For a deterministic drafter this is again exact (the row token
+follows ``p``, independently of the draft; see ``specdec/verifier.py``), and it emits the very
+tokens of plain decoding with the same noise, so a seeded request does not depend on the drafter
+or the batch. The race divides in float32, correctly rounded, as :func:`specdec.sampling.sample`
+does, so the kernel, its reference and the CPU verifier pick the same token from the same noise.
 """
 
 from __future__ import annotations
@@ -48,11 +59,12 @@ def _rejection_sample_kernel(
     target_probs_ptr,  # [T + B, V] float
     is_greedy_ptr,  # [B] bool
     accept_uniforms_ptr,  # [T] float64
-    race_exponentials_ptr,  # [B, V] float64
+    race_exponentials_ptr,  # [B, V] float64; with ROW_TOKENS [T + B, V] float32, one per row
     vocab_size,
     output_stride,
     HAS_DRAFT_PROBS: tl.constexpr,
     BLOCK: tl.constexpr,
+    ROW_TOKENS: tl.constexpr = False,  # accept a draft iff it equals its row's token
 ):
     # One program walks one sequence. Each step either accepts a draft from two scalar loads
     # (random rows) or makes one pass over the vocabulary that yields the greedy argmax, the
@@ -68,33 +80,104 @@ def _rejection_sample_kernel(
         target_row = draft_row + seq  # row in target_probs: sequence i has i earlier bonus rows
         is_draft = j < num_drafts
         token = tl.load(draft_token_ids_ptr + draft_row, mask=is_draft, other=-1)
-        test = is_draft & sampled  # a draft of a random row: the ratio test decides
-        p_d = tl.load(target_probs_ptr + target_row * vocab_size + token, mask=test, other=0)
-        p_d = p_d.to(tl.float32).to(tl.float64)
-        q_d = 1.0  # one-hot q at the draft
-        if HAS_DRAFT_PROBS:
-            q_d = tl.load(draft_probs_ptr + draft_row * vocab_size + token, mask=test, other=0)
-            q_d = q_d.to(tl.float32).to(tl.float64)
-        u = tl.load(accept_uniforms_ptr + draft_row, mask=test, other=1.0)
-        accept = test & (p_d > 0) & (u * q_d <= p_d)
-        if accept == 0:
-            raced = _race_row(
+        if ROW_TOKENS:
+            row_token = _row_token(
                 target_probs_ptr + target_row * vocab_size,
-                draft_probs_ptr + draft_row * vocab_size,
-                race_exponentials_ptr + seq * vocab_size,
+                race_exponentials_ptr + target_row * vocab_size,
+                sampled,
+                vocab_size,
+                BLOCK,
+            )
+            accept = is_draft & (row_token == token)
+            token = tl.where(accept, token, row_token)
+        else:
+            token, accept = _ratio_test_step(
+                draft_probs_ptr,
+                target_probs_ptr,
+                accept_uniforms_ptr,
+                race_exponentials_ptr,
+                seq,
+                draft_row,
+                target_row,
                 token,
-                test,  # subtract q: this is a rejected draft of a random row
+                is_draft,
                 sampled,
                 vocab_size,
                 HAS_DRAFT_PROBS,
                 BLOCK,
             )
-            accept = is_draft & (sampled == 0) & (raced == token)  # a greedy draft that matches
-            token = tl.where(accept, token, raced)
         tl.store(output_token_ids_ptr + seq * output_stride + j, token)
         j += accept.to(tl.int64)
         done = accept == 0
     tl.store(num_accepted_ptr + seq, j)
+
+
+@triton.jit
+def _ratio_test_step(
+    draft_probs_ptr,
+    target_probs_ptr,
+    accept_uniforms_ptr,
+    race_exponentials_ptr,
+    seq,
+    draft_row,
+    target_row,
+    token,  # the draft at this position, -1 at the bonus position
+    is_draft,
+    sampled,
+    vocab_size,
+    HAS_DRAFT_PROBS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One position of the min(1, p / q) walk: (the token emitted there, whether it was a draft
+    accepted)."""
+    test = is_draft & sampled  # a draft of a random row: the ratio test decides
+    p_d = tl.load(target_probs_ptr + target_row * vocab_size + token, mask=test, other=0)
+    p_d = p_d.to(tl.float32).to(tl.float64)
+    q_d = 1.0  # one-hot q at the draft
+    if HAS_DRAFT_PROBS:
+        q_d = tl.load(draft_probs_ptr + draft_row * vocab_size + token, mask=test, other=0)
+        q_d = q_d.to(tl.float32).to(tl.float64)
+    u = tl.load(accept_uniforms_ptr + draft_row, mask=test, other=1.0)
+    accept = test & (p_d > 0) & (u * q_d <= p_d)
+    if accept == 0:
+        raced = _race_row(
+            target_probs_ptr + target_row * vocab_size,
+            draft_probs_ptr + draft_row * vocab_size,
+            race_exponentials_ptr + seq * vocab_size,
+            token,
+            test,  # subtract q: this is a rejected draft of a random row
+            sampled,
+            vocab_size,
+            HAS_DRAFT_PROBS,
+            BLOCK,
+        )
+        accept = is_draft & (sampled == 0) & (raced == token)  # a greedy draft that matches
+        token = tl.where(accept, token, raced)
+    return token, accept
+
+
+@triton.jit
+def _row_token(
+    p_ptr,  # [V] target row: probabilities of a random row, raw logits of a greedy one
+    noise_ptr,  # [V] float32 Exp(1) noise of this row, read if sampled
+    sampled,  # a random row (race with the noise) or a greedy one (plain argmax)
+    vocab_size,
+    BLOCK: tl.constexpr,
+):
+    """The token plain decoding emits at this row: argmax_v p_v / E_v, or argmax_v p_v."""
+    best = tl.zeros((), tl.float32) - float("inf")
+    arg = tl.zeros((), tl.int32)
+    for start in range(0, vocab_size, BLOCK):
+        offs = start + tl.arange(0, BLOCK)  # [BLOCK]
+        in_vocab = offs < vocab_size
+        p = tl.load(p_ptr + offs, mask=in_vocab, other=0).to(tl.float32)
+        noise = tl.load(noise_ptr + offs, mask=tl.where(sampled, in_vocab, False), other=1.0)
+        score = tl.where(sampled, tl.math.div_rn(p, noise.to(tl.float32)), p)
+        score = tl.where(in_vocab, score, -float("inf"))
+        block_best, block_arg = tl.max(score, 0, return_indices=True)  # first index of the max
+        arg = tl.where(block_best > best, start + block_arg, arg)  # earlier blocks win ties
+        best = tl.maximum(best, block_best)
+    return arg.to(tl.int64)
 
 
 @triton.jit
@@ -191,6 +274,98 @@ def rejection_sample_triton(
         enable_fp_fusion=False,  # no fused multiply-adds: match the reference bit for bit
     )
     return output_token_ids, num_accepted
+
+
+def verify_row_tokens_triton(
+    draft_token_ids: torch.Tensor,  # [T] int64
+    cu_num_draft_tokens: torch.Tensor,  # [B] int64, inclusive cumulative sum of k_i
+    target_rows: torch.Tensor,  # [T + B, V] float: probabilities (random rows), logits (greedy)
+    is_greedy: torch.Tensor,  # [B] bool
+    row_noise: torch.Tensor,  # [T + B, V] float32 Exp(1) noise of each row (unread if greedy)
+    max_k: int,  # max_i k_i
+) -> tuple[torch.Tensor, torch.Tensor]:  # [B, max_k + 1] int64 (-1 padded), [B] int64
+    """Row-token verification (see the module docstring) in one launch, a program per sequence."""
+    check_row_token_inputs(draft_token_ids, cu_num_draft_tokens, target_rows, is_greedy, row_noise)
+    batch, vocab = cu_num_draft_tokens.numel(), target_rows.shape[1]
+    device = target_rows.device
+    output_token_ids = torch.full((batch, max_k + 1), -1, dtype=torch.int64, device=device)
+    num_accepted = torch.zeros(batch, dtype=torch.int64, device=device)
+    if batch == 0:
+        return output_token_ids, num_accepted
+    _kernel_for(device)[(batch,)](
+        output_token_ids,
+        num_accepted,
+        draft_token_ids,
+        cu_num_draft_tokens,
+        target_rows,  # draft probs: unread
+        target_rows,
+        is_greedy,
+        row_noise,  # accept uniforms: unread
+        row_noise,
+        vocab,
+        output_token_ids.stride(0),
+        HAS_DRAFT_PROBS=False,
+        BLOCK=min(triton.next_power_of_2(vocab), 2048 if device.type == "cuda" else 8192),
+        ROW_TOKENS=True,
+        num_warps=8,
+        enable_fp_fusion=False,
+    )
+    return output_token_ids, num_accepted
+
+
+def verify_row_tokens_reference(
+    draft_token_ids: torch.Tensor,  # [T] int64
+    cu_num_draft_tokens: torch.Tensor,  # [B] int64
+    target_rows: torch.Tensor,  # [T + B, V]
+    is_greedy: torch.Tensor,  # [B] bool
+    row_noise: torch.Tensor,  # [T + B, V] float32
+    max_k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [B, max_k + 1] int64 (-1 padded), [B] int64
+    """The specification of :func:`verify_row_tokens_triton`: every row's token at once, then
+    each sequence's accepted prefix."""
+    check_row_token_inputs(draft_token_ids, cu_num_draft_tokens, target_rows, is_greedy, row_noise)
+    batch, device = cu_num_draft_tokens.numel(), target_rows.device
+    k = torch.diff(cu_num_draft_tokens, prepend=cu_num_draft_tokens.new_zeros(1))  # [B]
+    greedy = torch.repeat_interleave(is_greedy, k + 1).unsqueeze(1)  # [T + B, 1]
+    rows = target_rows.float()
+    row_token = torch.where(greedy, rows, rows / row_noise).argmax(dim=1).tolist()  # [T + B]
+    drafts, counts = draft_token_ids.tolist(), k.tolist()
+    output = torch.full((batch, max_k + 1), -1, dtype=torch.int64)
+    num_accepted = torch.zeros(batch, dtype=torch.int64)
+    first_draft = 0
+    for i, num_drafts in enumerate(counts):
+        first_row = first_draft + i  # sequence i has i bonus rows before its own
+        j = 0
+        while j < num_drafts and drafts[first_draft + j] == row_token[first_row + j]:
+            j += 1
+        output[i, : j + 1] = torch.tensor(row_token[first_row : first_row + j + 1])
+        num_accepted[i] = j
+        first_draft += num_drafts
+    return output.to(device), num_accepted.to(device)
+
+
+def check_row_token_inputs(
+    draft_token_ids: torch.Tensor,  # [T]
+    cu_num_draft_tokens: torch.Tensor,  # [B]
+    target_rows: torch.Tensor,  # [T + B, V]
+    is_greedy: torch.Tensor,  # [B]
+    row_noise: torch.Tensor,  # [T + B, V]
+) -> None:
+    """Raise ValueError on a wrong dtype, shape, device or memory layout (no device sync)."""
+    if target_rows.dim() != 2:
+        raise ValueError(f"target_rows must be 2-D [T + B, V], got {tuple(target_rows.shape)}")
+    num_drafts, batch = draft_token_ids.numel(), cu_num_draft_tokens.numel()
+    rows = (num_drafts + batch, target_rows.shape[1])
+    check_tensors(
+        {
+            "draft_token_ids": (draft_token_ids, (num_drafts,), (torch.int64,)),
+            "cu_num_draft_tokens": (cu_num_draft_tokens, (batch,), (torch.int64,)),
+            "target_rows": (target_rows, rows, PROB_DTYPES),
+            "is_greedy": (is_greedy, (batch,), (torch.bool,)),
+            "row_noise": (row_noise, rows, (torch.float32,)),
+        },
+        "target_rows",
+    )
 
 
 def _kernel_for(device: torch.device) -> triton.JITFunction | InterpretedFunction:

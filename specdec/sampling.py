@@ -46,8 +46,10 @@ def process_logits(
     if bool((min_p > 0).any()):
         # min-p keeps tokens whose probability is at least min_p times the most likely one's.
         threshold = min_p.float().unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [N, 1]
-        probs = torch.where(probs >= threshold, probs, torch.zeros_like(probs))
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+        kept = torch.where(probs >= threshold, probs, torch.zeros_like(probs))
+        # Only rows that use min-p are renormalised: a row's bits must not depend on whether
+        # another request of the batch asked for min-p.
+        probs = torch.where((min_p > 0).unsqueeze(1), kept / kept.sum(dim=-1, keepdim=True), probs)
     return probs
 
 
@@ -56,12 +58,14 @@ def process_logits_for(
     params: Sequence[SamplingParams],  # [N] the request of each row
 ) -> torch.Tensor:  # [N, V] float32 probabilities
     """:func:`process_logits` with each row's settings taken from its request."""
+    settings = [(p.temperature, p.top_k, p.top_p, p.min_p) for p in params]
+    temperature, top_k, top_p, min_p = torch.tensor(settings, dtype=torch.float64).T
     return process_logits(
         logits,
-        torch.tensor([p.temperature for p in params]),
-        torch.tensor([p.top_k for p in params]),
-        torch.tensor([p.top_p for p in params]),
-        torch.tensor([p.min_p for p in params]),
+        temperature.to(logits.device),
+        top_k.long().to(logits.device),
+        top_p.to(logits.device),
+        min_p.to(logits.device),
     )
 
 
@@ -133,10 +137,15 @@ def exponential_noise(
     row, as before, cost about 20x as much at the default model's vocabulary (the torch
     reference, used where the kernel is unavailable, costs about as much as the generator did).
     """
-    seeds = [cpu_ops.as_int64(noise_seed(seed, position)) for seed, position in keys]
-    # Drawn on the CPU for every device and copied: a CUDA kernel of the same function is a later
-    # issue (the reference's int64 torch arithmetic would also run there).
-    return cpu_ops.exponential_noise(torch.tensor(seeds, dtype=torch.int64), vocab_size).to(device)
+    seeds = torch.tensor(
+        [cpu_ops.as_int64(noise_seed(seed, position)) for seed, position in keys],
+        dtype=torch.int64,
+    )
+    if torch.device(device).type == "cuda":  # drawn where it is used (specdec/kernels/noise.py)
+        from specdec.kernels.noise import exponential_noise_triton  # triton: only on CUDA
+
+        return exponential_noise_triton(seeds.to(device, non_blocking=True), vocab_size)
+    return cpu_ops.exponential_noise(seeds, vocab_size).to(device)
 
 
 _MASK64 = (1 << 64) - 1

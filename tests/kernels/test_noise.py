@@ -4,6 +4,8 @@ keyed alone, and values that pass for Exp(1) (a test that rejects a wrong transf
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -99,3 +101,48 @@ def test_the_reference_serves_without_the_kernels(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(cpu_ops, "extension", lambda: None)
     k = keys(2)
     assert torch.equal(cpu_ops.exponential_noise(k, 50), cpu_ops.exponential_noise_reference(k, 50))
+
+
+@pytest.mark.cuda
+def test_the_triton_kernel_draws_the_reference_noise() -> None:
+    """The device's noise (specdec/kernels/noise.py; under the interpreter here) is the
+    reference's bit for bit: the same uniforms, and -log taken in float64 then rounded."""
+    from specdec.kernels.noise import exponential_noise_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for vocab in (1, 1000, 2049):
+        drawn = exponential_noise_triton(keys(20).to(device), vocab).cpu()
+        expected = cpu_ops.exponential_noise_reference(keys(20), vocab)
+        if device == "cpu":
+            assert torch.equal(drawn, expected)
+        else:  # CUDA's float64 log may round differently: one float32 ulp at most
+            torch.testing.assert_close(drawn, expected, rtol=2**-23, atol=0)
+    with pytest.raises(ValueError, match="keys must have dtype"):
+        exponential_noise_triton(keys(2).int().to(device), 10)
+
+
+COMPILE_FOR_HOPPER = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from specdec.kernels import noise
+
+kernel = noise._exponential_noise_kernel
+types = ["*fp32", "*i64", "i32", "constexpr", "constexpr", "constexpr", "constexpr"]
+constexprs = {"GAMMA": noise.GOLDEN_GAMMA, "MIX1": noise.MIX_MULTIPLIERS[0],
+              "MIX2": noise.MIX_MULTIPLIERS[1], "BLOCK": noise.BLOCK}
+source = ASTSource(kernel, dict(zip(kernel.arg_names, types)), constexprs)
+ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+print("mul.lo.s64" in ptx or "mul.lo.u64" in ptx)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the test above compiles it")
+def test_the_triton_kernel_compiles_for_hopper() -> None:
+    """The interpreter accepts code the compiler rejects: compile to PTX for sm_90, no GPU."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["True"]  # 64-bit multiplies: the SplitMix64 stream

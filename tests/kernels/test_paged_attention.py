@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from specdec.kernels.paged_attention import paged_attention_reference, paged_attention_triton
 
+pytestmark = pytest.mark.cuda  # selected by make gpu-check
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 IMPLEMENTATIONS = [paged_attention_triton, paged_attention_reference]
 # Float32 math throughout; half-precision inputs round the probabilities and the output.

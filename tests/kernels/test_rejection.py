@@ -14,8 +14,14 @@ import sys
 import pytest
 import torch
 
-from specdec.kernels.rejection import rejection_sample_reference, rejection_sample_triton
+from specdec.kernels.rejection import (
+    rejection_sample_reference,
+    rejection_sample_triton,
+    verify_row_tokens_reference,
+    verify_row_tokens_triton,
+)
 
+pytestmark = pytest.mark.cuda  # selected by make gpu-check
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 IMPLEMENTATIONS = [rejection_sample_triton, rejection_sample_reference]
 slow = pytest.mark.skipif(
@@ -270,6 +276,66 @@ def test_bad_inputs_raise_clear_errors(impl, index: int, replace, message: str) 
         impl(*_broken(args, index, replace(args)))
 
 
+def row_token_batch(batch: int, max_k: int, vocab: int, seed: int = 0) -> tuple:
+    """Row-token launcher arguments: mixed greedy (raw logits) and random (probabilities) rows,
+    drafts that equal their row's token 80% of the time, so accepted chains and rejections mix."""
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randint(0, max_k + 1, (batch,), generator=gen)
+    k[::2] = max_k
+    is_greedy = torch.rand(batch, generator=gen) < 0.4  # [B]
+    num_drafts = int(k.sum())
+    logits = torch.randn(num_drafts + batch, vocab, generator=gen) * 3  # [T + B, V]
+    greedy_rows = torch.repeat_interleave(is_greedy, k + 1).unsqueeze(1)  # [T + B, 1]
+    rows = torch.where(greedy_rows, logits, _with_zeros(torch.softmax(logits, -1), gen))
+    noise = torch.empty(num_drafts + batch, vocab).exponential_(generator=gen)  # [T + B, V]
+    row_token = torch.where(greedy_rows, rows, rows / noise).argmax(dim=1)  # [T + B]
+    draft_rows = torch.arange(num_drafts) + torch.repeat_interleave(torch.arange(batch), k)
+    other = torch.randint(0, vocab, (num_drafts,), generator=gen)
+    drafts = torch.where(torch.rand(num_drafts, generator=gen) < 0.8, row_token[draft_rows], other)
+    args = (drafts, k.cumsum(0), rows.contiguous(), is_greedy, noise)
+    return tuple(a.to(DEVICE) for a in args) + (max_k,)
+
+
+@pytest.mark.parametrize(
+    ("batch", "max_k", "vocab"), [(1, 8, 49152), (9, 5, 50), (64, 8, 300), (5, 0, 300)]
+)
+def test_row_token_kernel_matches_reference(batch: int, max_k: int, vocab: int) -> None:
+    args = row_token_batch(batch, max_k, vocab)
+    tokens, num_accepted = verify_row_tokens_triton(*args)
+    ref_tokens, ref_num_accepted = verify_row_tokens_reference(*args)
+    assert torch.equal(num_accepted, ref_num_accepted)
+    assert torch.equal(tokens, ref_tokens)
+    if max_k:  # the batch exercised accepted chains and rejections both
+        k = torch.diff(args[1], prepend=args[1].new_zeros(1))
+        assert 0 < int(num_accepted.sum()) < int(k.sum())
+
+
+def test_row_tokens_are_plain_decoding_tokens() -> None:
+    """Each emitted token is its row's token: the argmax of a greedy row's logits, the race
+    winner of a random row's probabilities over that row's own noise."""
+    rows = torch.tensor([[0.1, 0.6, 0.3], [0.5, 0.2, 0.3], [-3.0, -1.0, -2.0], [-1.0, -4.0, 0.0]])
+    noise = torch.tensor([[1.0, 1.0, 1.0], [9.0, 1.0, 1.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    greedy = torch.tensor([False, True])
+    args = (torch.tensor([1, 1]), torch.tensor([1, 2]), rows, greedy, noise, 1)
+    for impl in (verify_row_tokens_triton, verify_row_tokens_reference):
+        tokens, num_accepted = impl(*(a.to(DEVICE) if torch.is_tensor(a) else a for a in args))
+        # random row: draft 1 accepted (0.6 wins), then row 1's race picks 2 (0.3 > 0.5 / 9)
+        # greedy row: draft 1 at row 2 accepted (argmax 1), then row 3's argmax 2
+        assert tokens.tolist() == [[1, 2], [1, 2]]
+        assert num_accepted.tolist() == [1, 1]
+
+
+@pytest.mark.parametrize("impl", [verify_row_tokens_triton, verify_row_tokens_reference])
+def test_row_token_inputs_are_checked(impl) -> None:
+    args = row_token_batch(3, 2, 11)
+    with pytest.raises(ValueError, match="row_noise must have dtype"):
+        impl(*_broken(args, 4, args[4].double()))
+    with pytest.raises(ValueError, match="row_noise must have shape"):
+        impl(*_broken(args, 4, args[4][1:].contiguous()))
+    with pytest.raises(ValueError, match="target_rows must be 2-D"):
+        impl(*_broken(args, 2, args[2].flatten()))
+
+
 COMPILE_FOR_HOPPER = """
 import re
 import triton
@@ -279,12 +345,20 @@ from specdec.kernels.rejection import _rejection_sample_kernel as kernel
 
 for probs, has_draft_probs in [("*fp32", True), ("*bf16", False)]:
     pointers = ["*i64"] * 4 + [probs, probs, "*i1", "*fp64", "*fp64"]
-    types = pointers + ["i32", "i32", "constexpr", "constexpr"]
-    constexprs = {"HAS_DRAFT_PROBS": has_draft_probs, "BLOCK": 2048}
+    types = pointers + ["i32", "i32", "constexpr", "constexpr", "constexpr"]
+    constexprs = {"HAS_DRAFT_PROBS": has_draft_probs, "BLOCK": 2048, "ROW_TOKENS": False}
     source = ASTSource(kernel, dict(zip(kernel.arg_names, types)), constexprs)
     options = {"num_warps": 8, "enable_fp_fusion": False}
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
     print(sorted(set(re.findall(r"div\\.[a-z0-9.]+", ptx))))
+# row-token mode: float32 noise per row, the race divided in float32
+pointers = ["*i64"] * 4 + ["*fp32", "*fp32", "*i1", "*fp32", "*fp32"]
+types = pointers + ["i32", "i32", "constexpr", "constexpr", "constexpr"]
+constexprs = {"HAS_DRAFT_PROBS": False, "BLOCK": 2048, "ROW_TOKENS": True}
+source = ASTSource(kernel, dict(zip(kernel.arg_names, types)), constexprs)
+options = {"num_warps": 8, "enable_fp_fusion": False}
+ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+print(sorted(set(re.findall(r"div\\.[a-z0-9.]+", ptx))))
 """
 
 
@@ -297,4 +371,4 @@ def test_kernel_compiles_for_hopper() -> None:
     )
     assert run.returncode == 0, run.stderr[-3000:]
     # Divisions are correctly rounded, as torch's are, so the kernel matches the reference.
-    assert run.stdout.split() == ["['div.rn.f64']"] * 2
+    assert run.stdout.split() == ["['div.rn.f64']"] * 2 + ["['div.rn.f32']"]
