@@ -7,7 +7,11 @@ VENV ?= $(if $(VIRTUAL_ENV),$(VIRTUAL_ENV),.venv)
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.specdec-installed
 
-.PHONY: install test lint demo bench clean
+# make gpu-check installs the CUDA build into GPU_VENV unless the current one already sees a GPU.
+TORCH_CUDA_SPEC ?= torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128
+GPU_VENV ?= .venv-cuda
+
+.PHONY: install test lint demo bench gpu-check clean
 
 install: $(STAMP)
 
@@ -37,5 +41,14 @@ demo: install
 bench: install
 	$(BIN)/specdec bench
 
+# On a machine with a CUDA GPU: the tests marked `cuda`, then a short benchmark, one summary.
+gpu-check:
+	@if $(BIN)/python -c 'import torch; raise SystemExit(not torch.cuda.is_available())' \
+		2>/dev/null; then gpu_bin=$(BIN); else \
+		$(MAKE) install VENV=$(GPU_VENV) TORCH_SPEC="$(TORCH_CUDA_SPEC)" || exit 1; \
+		gpu_bin=$(GPU_VENV)/bin; fi; \
+	timeout 600 sh -c "$$gpu_bin/python -m pytest -q -m cuda && \
+		$$gpu_bin/python -m specdec.eval.gpu_check --json gpu_check.json"
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(GPU_VENV) build *.egg-info

@@ -94,6 +94,11 @@ def build_speculation(
     """The drafter ``spec`` names, built for ``engine`` (whose model came from ``target``),
     and the policy choosing its depth, with step costs timed on the engine's own model."""
     if isinstance(spec.drafter, str):
+        if engine.device.type != "cpu" and spec.drafter != "prompt_lookup":
+            raise ValueError(
+                f"drafter {spec.drafter!r} runs on the CPU for now (its model's forward uses the "
+                f"CPU engine); on {engine.device} use 'prompt_lookup' or device='cpu'"
+            )
         drafter = DRAFTERS[spec.drafter].build(spec.options, engine, target)
     else:
         drafter = spec.drafter

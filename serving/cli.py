@@ -78,12 +78,20 @@ def _is_loopback(host: str) -> bool:
 @click.option("--max-model-len", default=None, type=int, help="Longest prompt + output.")
 @click.option("--max-num-seqs", default=64, show_default=True, type=int, help="Batch size cap.")
 @click.option("--kv-cache-memory-gb", default=1.0, show_default=True, type=float)
+@click.option(
+    "--gpu-memory-utilization",
+    default=0.9,
+    show_default=True,
+    type=float,
+    help="CUDA: the share of GPU memory the engine may hold; the KV pool takes what is left.",
+)
 @click.option("--log-level", default="info", show_default=True)
 def serve(
     model: str | None,
     dtype: str,
     quantization: str | None,
     batch_invariant: bool | None,
+    device: str,
     drafter: str,
     draft_model: str | None,
     num_speculative_tokens: int,
@@ -102,6 +110,7 @@ def serve(
     max_model_len: int | None,
     max_num_seqs: int,
     kv_cache_memory_gb: float,
+    gpu_memory_utilization: float,
     log_level: str,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
@@ -124,9 +133,11 @@ def serve(
             dtype=dtype,
             quantization=quantization,
             batch_invariant=batch_invariant,
+            device=device,
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
             kv_cache_memory_gb=kv_cache_memory_gb,
+            gpu_memory_utilization=gpu_memory_utilization,
             speculative=spec_config(
                 drafter,
                 num_speculative_tokens,

@@ -1,7 +1,11 @@
 """Paged attention: write this step's K/V into the block cache, then attend over each context.
 
-One function, :func:`paged_attention`, is the whole interface; the pure-torch path below is the
-CPU implementation (correct first), and a Triton path for CUDA can sit behind the same call.
+One function, :func:`paged_attention`, is the whole interface. On the CPU, decodes and
+verifications run as one C++ call and the rest through torch's SDPA; on CUDA (``triton=True`` in
+the metadata), decodes and verifications run the Triton paged-attention kernel
+(``kernels/paged_attention.py``), which reads keys through the block tables, and prompts torch's
+fused SDPA (flash or memory-efficient), on their own K/V or, after a prefix-cache hit or in a
+later chunk, on K/V gathered from the cache.
 
 Per step the runner builds one :class:`AttentionMetadata` shared by every layer. Sequences are
 split into groups so that little work is wasted on padding:
@@ -43,12 +47,14 @@ the ``vdpbf16ps`` rate instead of oneDNN's), and attention without torch's flash
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from specdec.kernels import cpu_ops
+from specdec.kernels.paged_attention import paged_attention_triton
 
 NARROW_QUERY = 17  # queries of a decode or a verification of up to 16 drafts: padded together
 # Invariant mode pads key counts to a multiple of this: few GEMM shapes, and every float32 pass
@@ -69,6 +75,10 @@ class QueryGroup:
     query_lens: torch.Tensor  # [G] queries of each sequence
     context_lens: torch.Tensor  # [G] keys of each sequence (its last query sees them all)
     max_start: int = 0  # largest position of a first query: query j sees < max_start + j + 1
+    # What the Triton kernel reads, built only for it (triton=True):
+    block_tables: torch.Tensor | None = None  # [G, max_blocks] int32 (padded with block 0)
+    cu_query_lens: torch.Tensor | None = None  # [G + 1] int32 prefix sums of query_lens from 0
+    seq_lens: torch.Tensor | None = None  # [G] int32 context_lens
     # Built on first use by the oneDNN invariant path, then shared by every layer of the step:
     head_rows: torch.Tensor | None = None  # [G * Hkv * C] cache row per key
     bias: torch.Tensor | None = None  # the mask as float32 0 / -inf, [G, 1, Q, C]
@@ -81,6 +91,7 @@ class QueryGroup:
         starts: list[int],  # [G] flat index of each sequence's first query
         block_size: int,
         invariant: bool,
+        triton: bool = False,
     ) -> QueryGroup:
         q_len = torch.tensor(query_lens, dtype=torch.long)  # [G]
         c_len = torch.tensor(context_lens, dtype=torch.long)  # [G]
@@ -106,7 +117,7 @@ class QueryGroup:
         if not invariant and max_q == 1 and bool((c_len == max_c).all()):
             mask = None  # one query per sequence and equal contexts: every key is visible
         valid_rows = query_valid.flatten().nonzero().squeeze(1)  # [M]
-        return QueryGroup(
+        group = QueryGroup(
             query_index,
             key_slots,
             mask,
@@ -116,6 +127,11 @@ class QueryGroup:
             c_len,
             int((c_len - q_len).max()),
         )
+        if triton:
+            group.block_tables, group.seq_lens = tables.int(), c_len.int()
+            group.cu_query_lens = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+            torch.cumsum(q_len, 0, out=group.cu_query_lens[1:])
+        return group
 
 
 @dataclass(slots=True)
@@ -127,6 +143,23 @@ class AttentionMetadata:
     groups: list[QueryGroup]  # the sequences that read keys from the cache
     dense: bool  # one group, the whole batch in order with no padding: [N] = [G, Q]
     invariant: bool  # batch-invariant attention (see the module docstring)
+    triton: bool = False  # narrow groups through the Triton kernel (CUDA; see the module docstring)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the step's metadata, in a fixed order (see :meth:`replace_tensors`)."""
+        found = [self.slot_mapping]
+        for group in self.groups:
+            found += [v for f in fields(group) if isinstance(v := getattr(group, f.name), Tensor)]
+        return found
+
+    def replace_tensors(self, tensors: list[torch.Tensor]) -> None:
+        """Put ``tensors`` (copies of :meth:`tensors`' on another device) in their places."""
+        it = iter(tensors)
+        self.slot_mapping = next(it)
+        for group in self.groups:
+            for f in fields(group):
+                if isinstance(getattr(group, f.name), Tensor):
+                    setattr(group, f.name, next(it))
 
     @staticmethod
     def build(
@@ -136,7 +169,10 @@ class AttentionMetadata:
         slot_mapping: torch.Tensor,  # [N]
         block_size: int,
         invariant: bool = False,
+        triton: bool = False,
     ) -> AttentionMetadata:
+        """``triton``: decodes and verifications through the Triton kernel (not in invariant
+        mode, a CPU mode)."""
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
@@ -156,6 +192,7 @@ class AttentionMetadata:
                 [starts[i] for i in part],
                 block_size,
                 invariant,
+                triton and not invariant and part is narrow,
             )
             for part in parts
         ]
@@ -170,6 +207,7 @@ class AttentionMetadata:
             groups,
             dense,
             invariant,
+            triton and not invariant,
         )
 
 
@@ -207,12 +245,26 @@ def paged_attention(
             return _attend_invariant(queries, keys, values, group, scale)
         return _attend(queries, _gather(k_flat, group), _gather(v_flat, group), group, scale)
 
+    def attend_triton(group: QueryGroup) -> torch.Tensor:  # [M, Hq, D] the group's real rows
+        queries = q.contiguous() if meta.dense else q[group.valid_index]
+        cu_q_lens, seq_lens, tables = group.cu_query_lens, group.seq_lens, group.block_tables
+        assert cu_q_lens is not None and seq_lens is not None and tables is not None
+        return paged_attention_triton(queries, cu_q_lens, seq_lens, tables, k_cache, v_cache, scale)
+
+    def use_triton(group: QueryGroup) -> bool:
+        return meta.triton and group.query_index.shape[1] <= NARROW_QUERY
+
     if meta.dense:  # decodes and verification only: no scatter of outputs
+        if use_triton(meta.groups[0]):
+            return attend_triton(meta.groups[0])
         return attend(meta.groups[0]).reshape(q.shape)
     out = torch.empty_like(q)
     for start, end in meta.fresh_ranges:
         out[start:end] = _attend_causal(q[start:end], k[start:end], v[start:end], scale)
     for group in meta.groups:
+        if use_triton(group):
+            out.index_copy_(0, group.valid_index, attend_triton(group))
+            continue
         rows = attend(group).flatten(0, 1)  # [G * Q, Hq, D]
         if group.valid_rows.numel() != rows.shape[0]:  # drop the padding rows
             rows = rows[group.valid_rows]

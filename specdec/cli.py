@@ -38,6 +38,7 @@ def generate(
     dtype: str,
     quantization: str | None,
     batch_invariant: bool | None,
+    device: str,
     raw: bool,
     stats: bool,
     drafter: str,
@@ -65,6 +66,7 @@ def generate(
             quantization=quantization,
             speculative=speculative,
             batch_invariant=batch_invariant,
+            device=device,
         )
         start = time.perf_counter()
         if raw:

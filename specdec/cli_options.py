@@ -11,7 +11,13 @@ from specdec.models.quant import QUANTIZATIONS
 
 
 def model_options(fn: Any) -> Any:
-    """``--model``, ``--dtype``, ``--quantization`` and ``--batch-invariant``."""
+    """``--model``, ``--dtype``, ``--device``, ``--quantization`` and ``--batch-invariant``."""
+    fn = click.option(
+        "--device",
+        default="auto",
+        show_default=True,
+        help="auto (CUDA when torch sees a GPU, else the CPU), cpu, cuda or cuda:N.",
+    )(fn)
     fn = click.option(
         "--quantization",
         default=None,

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 # Temperatures below this decode greedily, as in vLLM: at 1e-38 and below, logits / temperature
 # overflows float32 and the distribution becomes NaN, and long before that it is one-hot anyway.
 MIN_SAMPLING_TEMPERATURE = 1e-5
@@ -95,6 +97,10 @@ class EngineConfig:
     # Every row's result independent of the rest of the step (exact speculation in bfloat16);
     # None: on for bfloat16 where oneDNN is available (see specdec.attention).
     batch_invariant: bool | None = None
+    device: str = "auto"  # "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N"
+    # CUDA: the share of the device's memory the engine may hold (weights, activations and the
+    # KV pool, sized from what is left when num_kv_blocks is None), as vLLM's option
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         _check(self.block_size > 0, f"block_size must be positive, got {self.block_size}")
@@ -115,6 +121,40 @@ class EngineConfig:
             self.max_model_len is None or self.max_model_len > 1,
             f"max_model_len must be at least 2, got {self.max_model_len}",
         )
+        _check(
+            0 < self.gpu_memory_utilization <= 1,
+            f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+        resolve_device(self.device)  # a bad name fails here, where it was written
+
+
+def resolve_device(name: str | torch.device) -> torch.device:
+    """The device ``name`` stands for: ``"auto"`` is CUDA when torch sees a GPU, else the CPU.
+
+    Raises ``ValueError`` for an unknown name, or for CUDA where torch has none (a CPU build of
+    torch, or no visible GPU)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(
+            f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {name!r}"
+        ) from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {name!r}")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(
+                f"device {name!r}: this torch sees no CUDA GPU (torch {torch.__version__}; a CPU "
+                "build of torch, or no visible device); use device='cpu' or 'auto'"
+            )
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"device {name!r}: torch sees {count} CUDA device(s)")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _check(ok: bool, message: str) -> None:

@@ -8,6 +8,7 @@ memory is the runner's; the block ids are the scheduler's block manager's.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 
 import torch
@@ -24,6 +25,13 @@ from specdec.runner import ModelRunner, kv_block_bytes
 from specdec.scheduler import Scheduler
 from specdec.sequence import Sequence
 from specdec.verifier import Verifier
+from specdec.verify import select_backend
+
+logger = logging.getLogger(__name__)
+
+# CUDA: memory kept free for a step's activations and the allocator's slack when the KV pool is
+# sized (the largest step of the default budget, 1,024 tokens, needs a few hundred MB at most).
+ACTIVATION_RESERVE_BYTES = 1 << 30
 
 
 class Engine:
@@ -41,17 +49,20 @@ class Engine:
         ``target``: the checkpoint ``model`` was built from, for drafters made from it."""
         self.config = config
         self.tokenizer = tokenizer
-        num_blocks = config.num_kv_blocks or max(
-            1,
-            int(config.kv_cache_memory_gb * 2**30)
-            // kv_block_bytes(model, config.block_size, dtype),
-        )
+        self.device = model.embed_tokens.weight.device  # the engine runs where the weights are
+        block_bytes = kv_block_bytes(model, config.block_size, dtype)
+        if config.num_kv_blocks:
+            num_blocks = config.num_kv_blocks
+        elif self.device.type == "cuda":
+            num_blocks = cuda_kv_blocks(self.device, config, block_bytes)
+        else:
+            num_blocks = max(1, int(config.kv_cache_memory_gb * 2**30) // block_bytes)
         # A lone sequence must always fit, so that preemption can always make progress.
         self.max_model_len = min(max_model_len, num_blocks * config.block_size)
         self.vocab_size = model.config.vocab_size
         self.scheduler = Scheduler(config, num_blocks, self.max_model_len)
         self.runner = ModelRunner(model, num_blocks, config.block_size, dtype)
-        self.verifier = Verifier()
+        self.verifier = Verifier(select_backend(None, self.device))
         self.detokenizer = Detokenizer(tokenizer)
         self.eos_token_ids = end_of_sequence_ids(tokenizer, target)
         self.requests: dict[int, Sequence] = {}
@@ -151,3 +162,25 @@ class Engine:
             seq.metrics,
             None if logits is None else logits[: len(new_tokens)],
         )
+
+
+def cuda_kv_blocks(device: torch.device, config: EngineConfig, block_bytes: int) -> int:
+    """KV blocks that fit on ``device`` once the weights are there: the engine may hold
+    ``gpu_memory_utilization`` of the device's memory (vLLM's rule), less what is already in use
+    and :data:`ACTIVATION_RESERVE_BYTES` for activations. The choice is logged."""
+    free, total = torch.cuda.mem_get_info(device)
+    budget = int(total * config.gpu_memory_utilization) - (total - free) - ACTIVATION_RESERVE_BYTES
+    num_blocks = budget // block_bytes
+    if num_blocks < 1:
+        raise ValueError(
+            f"no room for a KV cache on {device}: {free / 2**30:.1f} of {total / 2**30:.1f} GiB "
+            f"free, gpu_memory_utilization={config.gpu_memory_utilization}; raise it, or free "
+            "memory, or set num_kv_blocks"
+        )
+    logger.info(
+        "KV cache on %s: %d blocks of %d tokens (%d tokens), %.2f GiB "
+        "(gpu_memory_utilization=%.2f)",
+        device, num_blocks, config.block_size, num_blocks * config.block_size,
+        num_blocks * block_bytes / 2**30, config.gpu_memory_utilization,
+    )  # fmt: skip
+    return num_blocks

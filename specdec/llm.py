@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from specdec.config import EngineConfig, SamplingParams
+from specdec.config import EngineConfig, SamplingParams, resolve_device
 from specdec.drafters.registry import SpecConfig
 from specdec.engine import Engine
 from specdec.loader import (
@@ -60,6 +60,7 @@ class LLM:
             config.batch_invariant,
             quantization,
             prequantized_weights(checkpoint) if quantization else None,
+            device=resolve_device(config.device),
         )
         self._assemble(checkpoint, model_impl, resolved, config, speculative, quantization)
 

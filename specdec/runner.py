@@ -9,8 +9,10 @@ or verified.
 
 from __future__ import annotations
 
+import itertools
 import math
 import mmap
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +20,8 @@ import torch
 from specdec.attention import AttentionMetadata
 from specdec.models.llama import LlamaForCausalLM
 from specdec.scheduler import SchedulerOutput
+
+ATTENTION_BACKEND_ENV = "SPECDEC_ATTENTION_BACKEND"  # "triton": the CUDA path on the CPU, for tests
 
 
 @dataclass(slots=True)
@@ -52,7 +56,7 @@ def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype)
 
 
 def _allocate_caches(
-    shape: tuple[int, ...], dtype: torch.dtype, count: int
+    shape: tuple[int, ...], dtype: torch.dtype, count: int, device: torch.device
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """``count`` zeroed KV tensors, half for keys and half for values, in one pool.
 
@@ -67,7 +71,10 @@ def _allocate_caches(
     written: ``torch.zeros`` writes every page at once, so a 1 GB pool was 1 GB resident from
     the start, however few blocks a workload used (``specdec.wrap`` beside a model of 540 MB).
     """
-    pool = _zeroed_on_demand((count, *shape), dtype)
+    if device.type == "cpu":
+        pool = _zeroed_on_demand((count, *shape), dtype)
+    else:
+        pool = torch.zeros((count, *shape), dtype=dtype, device=device)
     caches = list(pool.unbind(0))
     return caches[: count // 2], caches[count // 2 :]
 
@@ -80,6 +87,41 @@ def _zeroed_on_demand(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tenso
         return torch.zeros(shape, dtype=dtype)
     region = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)  # keeps the map
+
+
+class HostStaging:
+    """A step's small host tensors reach the device in one copy, through one pinned buffer.
+
+    Each tensor's bytes go to an 8-byte-aligned offset of a page-locked host buffer; one
+    asynchronous copy moves the used part to the device, where every tensor is a view of it. Many
+    small copies would each pay a launch and a synchronisation; vLLM stages its step inputs the
+    same way. On the CPU there is nothing to copy. The buffer is written again only once the
+    previous step's copy has finished (an event marks it).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        self.copied: torch.cuda.Event | None = None
+
+    def to_device(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Copies of ``tensors`` on the device, views of one staged buffer."""
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        offsets = [0, *itertools.accumulate(-(-n // 8) * 8 for n in sizes)]
+        if self.buffer.numel() < offsets[-1]:
+            self.buffer = torch.empty(max(offsets[-1], 2 * self.buffer.numel()), dtype=torch.uint8)
+            self.buffer = self.buffer.pin_memory()
+        elif self.copied is not None:
+            self.copied.synchronize()  # the previous copy still reads the buffer
+        for t, start, n in zip(tensors, offsets, sizes):
+            self.buffer[start : start + n] = t.contiguous().view(-1).view(torch.uint8)
+        staged = self.buffer[: offsets[-1]].to(self.device, non_blocking=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
+        return [
+            staged[start : start + n].view(t.dtype).view(t.shape)
+            for t, start, n in zip(tensors, offsets, sizes)
+        ]
 
 
 class ModelRunner:
@@ -96,10 +138,17 @@ class ModelRunner:
         drafters/draft_model.py); ``None`` allocates this runner's own."""
         self.model = model
         self.block_size = block_size
+        self.device = model.embed_tokens.weight.device
+        self.staging = HostStaging(self.device)
+        # decodes and verifications through the Triton paged-attention kernel: on CUDA, or on
+        # the CPU under Triton's interpreter when tests ask for it
+        self.triton_attention = (
+            self.device.type == "cuda" or os.environ.get(ATTENTION_BACKEND_ENV) == "triton"
+        )
         cfg = model.config
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         if shared_caches is None:
-            shared_caches = _allocate_caches(shape, dtype, 2 * cfg.num_layers)
+            shared_caches = _allocate_caches(shape, dtype, 2 * cfg.num_layers, self.device)
         self.k_caches, self.v_caches = shared_caches
         for attn, k, v in zip(model.attention_layers, self.k_caches, self.v_caches):
             attn.k_cache, attn.v_cache = k, v
@@ -142,21 +191,24 @@ class ModelRunner:
             positions += range(c.start, end)
             slots += [c.block_table[p // bs] * bs + p % bs for p in range(c.start, end)]
             logit_rows += range(len(input_ids) - c.num_logit_rows, len(input_ids))
-        slot_mapping = torch.tensor(slots, dtype=torch.long)
+        step = torch.tensor([input_ids, positions, slots], dtype=torch.long)  # [3, N]
         meta = AttentionMetadata.build(
             [len(c.token_ids) for c in chunks],
             [c.start + len(c.token_ids) for c in chunks],
             [c.block_table for c in chunks],
-            slot_mapping,
+            step[2],
             bs,
             self.model.batch_invariant,
+            self.triton_attention,
         )
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long),
-            torch.tensor(positions, dtype=torch.long),
-            meta,
-        )
-        rows = hidden[torch.tensor(logit_rows, dtype=torch.long)]
+        rows_index = torch.tensor(logit_rows, dtype=torch.long)
+        if self.device.type != "cpu":
+            step, rows_index, *meta_tensors = self.staging.to_device(
+                [step, rows_index, *meta.tensors()]
+            )
+            meta.replace_tensors(meta_tensors)
+        hidden = self.model(step[0], step[1], meta)
+        rows = hidden[rows_index]
         return self.model.compute_logits(rows).float(), rows, hidden
 
     @torch.inference_mode()
@@ -169,10 +221,7 @@ class ModelRunner:
         """
         num_tokens = min(num_tokens, self.k_caches[0].shape[0] * self.block_size)
         blocks = list(range(-(-num_tokens // self.block_size)))
-        slots = torch.arange(num_tokens)
-        meta = AttentionMetadata.build(
-            [num_tokens], [num_tokens], [blocks], slots, self.block_size, self.model.batch_invariant
-        )
-        ids = torch.zeros(num_tokens, dtype=torch.long)
-        hidden = self.model(ids, torch.arange(num_tokens), meta)
-        self.model.compute_logits(hidden).float()
+        chunk = QueryChunk([0] * num_tokens, 0, blocks, num_tokens)
+        self.forward([chunk])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # timed by the caller: wait for the GPU

@@ -28,8 +28,12 @@ drafter that samples with the same keyed noise (drafters/draft_model.py) only ch
 drafts are accepted; what is emitted is still the row tokens. The general ``min(1, p / q)`` rule
 stays in :func:`specdec.verify.rejection_sample`, which the engine does not call.
 
-Rows after a mismatch are never sampled: drawing a sampled row's noise costs far more than
-comparing its token, so the walk goes one draft position at a time across the batch.
+Two backends compute the same thing. ``"torch"`` (the CPU's) walks one draft position at a time
+across the batch and never samples a row after a mismatch: on the CPU, drawing a sampled row's
+noise costs far more than comparing its token. ``"triton"`` (CUDA's) draws every row's noise on
+the device and hands the whole step to one launch of the fused kernel in row-token mode
+(:func:`specdec.kernels.rejection.verify_row_tokens_triton`), greedy and sampled rows together.
+Fed the same noise, both emit the same tokens (``tests/test_verifier.py``).
 """
 
 from __future__ import annotations
@@ -39,8 +43,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.kernels.rejection import verify_row_tokens_triton
 from specdec.runner import StepResult
-from specdec.sampling import next_tokens
+from specdec.sampling import exponential_noise, next_tokens, process_logits_for
 from specdec.scheduler import SchedulerOutput
 from specdec.sequence import Sequence
 
@@ -107,7 +112,11 @@ class Verification:
 
 
 class Verifier:
-    def __init__(self) -> None:
+    def __init__(self, backend: str = "torch") -> None:
+        """``backend``: ``"torch"``, the walk; ``"triton"``, one kernel launch per step."""
+        if backend not in ("torch", "triton"):
+            raise ValueError(f"unknown verification backend {backend!r}; use 'torch' or 'triton'")
+        self.backend = backend
         self.stats = SpecStats()
 
     def verify(self, out: SchedulerOutput, res: StepResult) -> Verification:
@@ -117,7 +126,8 @@ class Verifier:
             [[] for _ in out.seqs], [0] * len(out.seqs), [None] * len(out.seqs)
         )
         seqs = [out.seqs[i] for i in res.sample_indices]
-        tokens = self._walk(seqs, res.logits, res.num_logit_rows)
+        verify = self._walk if self.backend == "torch" else self._one_launch
+        tokens = verify(seqs, res.logits, res.num_logit_rows)
         first_row = 0
         for i, seq_tokens, rows in zip(res.sample_indices, tokens, res.num_logit_rows):
             verification.emitted[i], verification.num_drafts[i] = seq_tokens, rows - 1
@@ -153,6 +163,40 @@ class Verifier:
             j += 1
         return tokens
 
+    def _one_launch(
+        self,
+        seqs: list[Sequence],  # [S]
+        logits: torch.Tensor,  # [M, V] per sequence its draft rows, then its bonus row
+        num_rows: list[int],  # [S] rows of each sequence (its drafts + 1)
+    ) -> list[list[int]]:
+        """:meth:`_walk`'s tokens from every row at once: processed probabilities and keyed
+        noise for the sampled rows, raw logits for the greedy ones, one kernel launch."""
+        if not seqs:
+            return []
+        device = logits.device
+        row_seqs = [seq for seq, n in zip(seqs, num_rows) for _ in range(n)]  # [M]
+        row_j = [j for n in num_rows for j in range(n)]  # [M] draft position of each row
+        rows = logits.clone()  # the step's raw logits stay as they are, for return_logits
+        _mask_early_stops(row_seqs, rows, row_j)
+        sampled = [r for r, seq in enumerate(row_seqs) if not seq.params.is_greedy]
+        noise = torch.ones_like(logits)  # greedy rows read no noise
+        if sampled:
+            index = torch.tensor(sampled, device=device)
+            rows[index] = process_logits_for(rows[index], [row_seqs[r].params for r in sampled])
+            keys = [(row_seqs[r].seed, row_seqs[r].num_tokens + row_j[r]) for r in sampled]
+            noise[index] = exponential_noise(keys, logits.shape[1], device)
+        drafts = [t for seq, n in zip(seqs, num_rows) for t in seq.spec_token_ids[: n - 1]]
+        host = torch.tensor(
+            [*drafts, *itertools.accumulate(n - 1 for n in num_rows)], dtype=torch.int64
+        ).to(device, non_blocking=True)
+        greedy = torch.tensor([seq.params.is_greedy for seq in seqs]).to(device, non_blocking=True)
+        output, num_accepted = verify_row_tokens_triton(
+            host[: len(drafts)], host[len(drafts) :], rows, greedy, noise,
+            max(num_rows) - 1,
+        )  # fmt: skip
+        counts = num_accepted.tolist()
+        return [row[: m + 1] for row, m in zip(output.tolist(), counts)]
+
     def _row_tokens(
         self,
         seqs: list[Sequence],  # [L]
@@ -162,15 +206,19 @@ class Verifier:
         """The row token of each sequence at draft position ``j`` (its bonus row when ``j == k``):
         the token at position ``num_tokens + j`` of its token ids."""
         keys = [(seq.seed, seq.num_tokens + j) for seq in seqs]
-        _mask_early_stops(seqs, logits, j)
+        _mask_early_stops(seqs, logits, [j] * len(seqs))
         return next_tokens(logits, [seq.params for seq in seqs], keys)
 
 
-def _mask_early_stops(seqs: list[Sequence], logits: torch.Tensor, j: int) -> None:
+def _mask_early_stops(
+    seqs: list[Sequence],  # [L] the sequence of each row
+    logits: torch.Tensor,  # [L, V]
+    positions: list[int],  # [L] the draft position j of each row
+) -> None:
     """A sequence still short of its ``min_tokens`` at draft position ``j`` cannot end there:
     its end-of-sequence and stop token ids get ``-inf`` logits in place, before any sampling
     step, as transformers' ``MinNewTokensLengthLogitsProcessor`` and vLLM's ``min_tokens`` do."""
-    for row, seq in enumerate(seqs):
+    for row, (seq, j) in enumerate(zip(seqs, positions)):
         params = seq.params
         if seq.num_output_tokens + j < params.min_tokens:
             eos = () if params.ignore_eos else seq.eos_token_ids

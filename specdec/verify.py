@@ -102,7 +102,7 @@ def rejection_sample(
     num_drafts, greedy = _host_layout(draft_token_ids, cu_num_draft_tokens, target_probs, is_greedy)
     if uniforms is None:
         uniforms = _draw(num_drafts, greedy, target_probs.shape[1], generators, target_probs.device)
-    use_triton = _select_backend(backend, target_probs.device) == "triton"
+    use_triton = select_backend(backend, target_probs.device) == "triton"
     implementation = rejection_sample_triton if use_triton else rejection_sample_reference
     max_k = max(num_drafts, default=0)
     output_token_ids, num_accepted = implementation(
@@ -202,7 +202,9 @@ def _host_layout(
     return num_drafts, [bool(g) for g in greedy]
 
 
-def _select_backend(backend: str | None, device: torch.device) -> str:
+def select_backend(backend: str | None, device: torch.device) -> str:
+    """``backend``, else ``$SPECDEC_VERIFY_BACKEND``, else ``"triton"`` on CUDA and ``"torch"``
+    elsewhere; an unknown name raises ``ValueError``."""
     choice = (
         backend or os.environ.get(BACKEND_ENV) or ("triton" if device.type == "cuda" else "torch")
     )

@@ -239,6 +239,7 @@ class LlamaForCausalLM(nn.Module):
         quantization: str | None = None,
         prequantized: dict[str, QuantWeight] | None = None,
         huge_pages: bool = True,
+        device: torch.device | str = "cpu",
     ) -> LlamaForCausalLM:
         """Build the model around weights named as in transformers, without a random init.
 
@@ -256,14 +257,25 @@ class LlamaForCausalLM(nn.Module):
         ``huge_pages``: copy the weights into a huge-page arena (see
         :mod:`specdec.models.hugepages`); ``False`` keeps them in the tensors given, as
         ``specdec.wrap`` does to run on a transformers model's own storage.
+
+        ``device``: where the weights live. On CUDA the model runs torch's own ops (cuBLAS
+        linears, SDPA for prompts, the Triton paged-attention kernel for decodes); quantized
+        linears, the CPU kernels and batch invariance are CPU features, refused there.
         """
+        device = torch.device(device)
+        if device.type == "cuda":
+            _check_cuda_options(batch_invariant, quantization)
+            batch_invariant = False
         with torch.device("meta"):
             model = cls(hf_config, max_positions)
-        model.to_empty(device="cpu")
-        model.rope = RotaryEmbedding(hf_config, max_positions)  # its tables were emptied above
+        model.to_empty(device=device)
+        model.rope = RotaryEmbedding(hf_config, max_positions).to(device)  # emptied above
         if model.config.tie_word_embeddings:  # to_empty gives each module a tensor of its own
             model.lm_head.weight = model.embed_tokens.weight
         model.load_hf_state_dict(state_dict)
+        if device.type == "cuda":
+            model.batch_invariant = False
+            return model.eval().requires_grad_(False)
         if quantization is not None:
             quantize_linears(model, quantization, prequantized)
         supported = can_batch_invariant(model.embed_tokens.weight.dtype)
@@ -309,9 +321,26 @@ class LlamaForCausalLM(nn.Module):
                     f"weight {name!r} has shape {tuple(tensor.shape)}, "
                     f"expected {tuple(own[name].shape)}"
                 )
-            own.pop(name).data = tensor.contiguous()
+            param = own.pop(name)
+            param.data = tensor.to(param.device).contiguous()  # no copy where devices agree
         if own:
             raise ValueError(f"checkpoint is missing weights: {sorted(own)[:5]}")
+
+
+def _check_cuda_options(batch_invariant: bool | None, quantization: str | None) -> None:
+    """Refuse what runs only on the CPU, with the reason."""
+    if batch_invariant:
+        raise ValueError(
+            "batch_invariant=True is a CPU mode: on CUDA, cuBLAS chooses its kernels by the row "
+            "count, so a verification step need not round as a decode step does, and bfloat16 "
+            "speculation on CUDA is not bit-exact (float32 greedy is); pass batch_invariant=None "
+            "or False, or run on the CPU"
+        )
+    if quantization is not None:
+        raise ValueError(
+            f"quantization={quantization!r} runs on the CPU kernels only; on CUDA load the model "
+            "in float32, bfloat16 or float16"
+        )
 
 
 def _fused_weights(state_dict: dict[str, torch.Tensor], num_layers: int):  # noqa: ANN202

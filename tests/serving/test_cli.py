@@ -23,7 +23,8 @@ def test_an_unknown_drafter_is_refused_before_loading_anything():
 
 def test_help_documents_the_options():
     result = CliRunner().invoke(cli.serve, ["--help"])
-    for option in ("--host", "--port", "--api-key", "SPECDEC_API_KEY", "--max-concurrent"):
+    options = ("--host", "--port", "--api-key", "SPECDEC_API_KEY", "--max-concurrent", "--device")
+    for option in (*options, "--gpu-memory-utilization"):
         assert option in result.output
 
 
@@ -44,7 +45,8 @@ def captured_run(monkeypatch) -> dict:
 
 def test_serve_binds_loopback_and_takes_the_api_key_from_the_environment(captured_run):
     args = ["--served-model-name", MODEL, "--max-num-seqs", "8", "--dtype", "bfloat16"]
-    args += ["--no-batch-invariant", "--quantization", "int4"]
+    args += ["--no-batch-invariant", "--quantization", "int4", "--device", "cpu"]
+    args += ["--gpu-memory-utilization", "0.5"]
     result = CliRunner().invoke(cli.serve, args, env={"SPECDEC_API_KEY": "k3y"})
     assert result.exit_code == 0, result.output
     assert (captured_run["host"], captured_run["port"]) == ("127.0.0.1", 8000)
@@ -54,9 +56,11 @@ def test_serve_binds_loopback_and_takes_the_api_key_from_the_environment(capture
             "dtype": "bfloat16",
             "quantization": "int4",
             "batch_invariant": False,
+            "device": "cpu",
             "max_num_seqs": 8,
             "max_model_len": None,
             "kv_cache_memory_gb": 1.0,
+            "gpu_memory_utilization": 0.5,
             "speculative": None,
         },
     )

@@ -1,0 +1,170 @@
+"""``make gpu-check``: the engine on a CUDA GPU, side by side with transformers, in one summary.
+
+Run after the tests marked ``cuda`` (see the Makefile). Everything is measured in this one
+process, on the default model, greedy, prompt processing included:
+
+* single-stream decode: the engine without speculation, with prompt lookup, and transformers
+  ``generate`` on the same GPU and prompts (two questions per category of the shipped set);
+* 32 concurrent requests: the engine's throughput against one stream's;
+* the verification kernel (row-token mode, as the engine calls it, and the ratio-test mode) for
+  B = 64 sequences of k = 8 drafts over V = 49,152 tokens: its time against the bytes it must
+  read, as a share of the device's copy bandwidth measured on the spot.
+
+Greedy outputs of the engine with and without prompt lookup are compared token for token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from specdec import LLM, SamplingParams, SpecConfig
+from specdec.eval.questions import by_category, read_questions
+from specdec.kernels.rejection import rejection_sample_triton, verify_row_tokens_triton
+from specdec.loader import default_model_dir
+
+LOOKUP = SpecConfig("prompt_lookup", num_speculative_tokens=8, adaptive=False)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--per-category", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--json", default=None, help="Also write the figures to this file.")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu-check needs a CUDA GPU and a CUDA build of torch")
+    questions = [q for qs in by_category(read_questions(), args.per_category).values() for q in qs]
+    chats = [q.conversation() for q in questions]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    summary: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "dtype": args.dtype,
+        "prompts": len(chats),
+    }
+    plain = LLM(dtype=args.dtype, device="cuda")
+    lookup = LLM(dtype=args.dtype, device="cuda", speculative=LOOKUP)
+    prompts = [plain.apply_chat_template(c) for c in chats]
+    single: dict[str, float] = {}
+    outputs: dict[str, list[list[int]]] = {}
+    for name, llm in (("specdec", plain), ("specdec + prompt lookup", lookup)):
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8))  # warm up
+        seconds, outputs[name] = _one_at_a_time(llm, prompts, params)
+        single[name] = sum(map(len, outputs[name])) / seconds
+    single["transformers generate"] = _transformers_rate(prompts, args)
+    base = single["specdec"]
+    summary["single_stream_tok_s"] = single
+    summary["single_stream_vs_specdec"] = {k: v / base for k, v in single.items()}
+    summary["prompt_lookup_equals_plain"] = outputs["specdec"] == outputs["specdec + prompt lookup"]
+    summary["prompt_lookup_acceptance"] = lookup.engine.verifier.stats.acceptance_rate
+    batch = (prompts * 32)[:32]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    done = plain.generate(batch, params)
+    torch.cuda.synchronize()
+    rate = sum(len(o.token_ids) for o in done) / (time.perf_counter() - start)
+    summary["concurrent_32_tok_s"] = rate
+    summary["concurrent_32_vs_single_stream"] = rate / base
+    summary["verification_kernel"] = _kernel_figures()
+    print(json.dumps(summary, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2)
+    return summary
+
+
+def _one_at_a_time(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams
+) -> tuple[float, list[list[int]]]:
+    outputs, seconds = [], 0.0
+    for prompt in prompts:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        outputs.append(llm.generate([prompt], params)[0].token_ids)
+        torch.cuda.synchronize()
+        seconds += time.perf_counter() - start
+    return seconds, outputs
+
+
+def _transformers_rate(prompts: list[list[int]], args: argparse.Namespace) -> float:
+    """transformers ``generate`` on the same GPU, weights and prompts: tokens/s, one at a time."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=dtype)
+    model = model.to(torch.device("cuda")).eval()  # type: ignore[arg-type]
+    tokens, seconds = 0, 0.0
+    for i, prompt in enumerate([prompts[0], *prompts]):  # the first run warms up
+        ids = torch.tensor([prompt], device="cuda")
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = model.generate(
+            ids, max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens, do_sample=False
+        )
+        torch.cuda.synchronize()
+        if i:
+            seconds += time.perf_counter() - start
+            tokens += out.shape[1] - len(prompt)
+    return tokens / seconds
+
+
+def _kernel_figures(batch: int = 64, k: int = 8, vocab: int = 49152) -> dict[str, float]:
+    """The verification kernel on one step's rows, half the sequences greedy and half sampled,
+    with every draft its row's token, so that each walk reads all its ``k + 1`` rows (the most a
+    step can read): a greedy row its target row, a sampled row its target and noise rows. The
+    ratio-test mode (``rejection_sample_triton``) is timed beside it on the same rows."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = batch * (k + 1)
+    probs = torch.softmax(3 * torch.randn(rows, vocab, device="cuda", generator=gen), dim=-1)
+    noise = torch.empty(rows, vocab, device="cuda").exponential_(generator=gen)
+    is_greedy = torch.arange(batch, device="cuda") % 2 == 0
+    greedy_rows = is_greedy.repeat_interleave(k + 1).unsqueeze(1)  # [rows, 1]
+    row_token = torch.where(greedy_rows, probs, probs / noise).argmax(dim=1)  # [rows]
+    is_draft = torch.arange(rows, device="cuda") % (k + 1) < k
+    drafts = row_token[is_draft].contiguous()  # every draft accepted
+    cu = torch.arange(1, batch + 1, device="cuda") * k
+    row_args = (drafts, cu, probs, is_greedy, noise, k)
+    tokens, accepted = verify_row_tokens_triton(*row_args)
+    assert int(accepted.sum()) == batch * k, "the walks should accept every draft"
+    uniforms = torch.rand(batch * k, device="cuda", dtype=torch.float64, generator=gen)
+    race = noise[:batch].double()
+    ratio_args = (drafts, cu, None, probs, is_greedy, uniforms, race, k)
+    copy_seconds = _cuda_time(lambda: noise.clone())
+    bandwidth = 2 * noise.numel() * 4 / copy_seconds  # a copy reads and writes
+    row_bytes = rows * vocab * 4 * 1.5  # half the rows read probabilities and noise
+    seconds = _cuda_time(lambda: verify_row_tokens_triton(*row_args))
+    return {
+        "batch": batch,
+        "k": k,
+        "vocab": vocab,
+        "copy_bandwidth_gb_s": bandwidth / 1e9,
+        "row_tokens_us": seconds * 1e6,
+        "row_tokens_bytes_mb": row_bytes / 1e6,
+        "row_tokens_share_of_copy_bandwidth": row_bytes / seconds / bandwidth,
+        "ratio_test_us": _cuda_time(lambda: rejection_sample_triton(*ratio_args)) * 1e6,
+    }
+
+
+def _cuda_time(fn: Callable[[], object], repeats: int = 20) -> float:
+    """Median seconds of ``fn`` on the GPU, by CUDA events, after a warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+if __name__ == "__main__":
+    main()
