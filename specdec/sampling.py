@@ -87,7 +87,9 @@ def _top_k_top_p(
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [N, V] mass of better tokens
     p = torch.where(use_p, top_p.float(), torch.ones_like(top_p, dtype=torch.float32))
     # A token is kept while the mass before it is still below top_p; the first token always stays.
-    remove = remove | ((mass_before >= p.unsqueeze(1)) & (ranks > 0))
+    # Only rows that use top-p: elsewhere p is 1, which a rounded cumsum can reach before the
+    # tail, and a row's tokens must not depend on another request's top_p.
+    remove = remove | (use_p.unsqueeze(1) & (mass_before >= p.unsqueeze(1)) & (ranks > 0))
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 

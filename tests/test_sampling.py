@@ -92,6 +92,22 @@ def test_process_logits_is_row_wise():
     np.testing.assert_allclose(probs[0].numpy(), expected_probs(0.5, 3, 1.0, 0.0), atol=1e-6)
 
 
+def test_a_rows_bits_do_not_depend_on_the_rest_of_the_batch():
+    """Seeded sampling must not change with the batch: a row processed beside rows with other
+    settings (min-p, top-k, top-p) has the bits it has alone."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 500, generator=gen) * 3
+    settings = [(1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.1), (1.3, 20, 1.0, 0.0), (1.0, 0, 0.8, 0.0)]
+
+    def processed(rows: list[int]) -> torch.Tensor:
+        t, k, p, m = (torch.tensor(v) for v in zip(*[settings[r] for r in rows]))
+        return process_logits(logits[rows], t, k, p, m)
+
+    together = processed([0, 1, 2, 3])
+    for row in range(4):
+        assert torch.equal(together[row], processed([row])[0]), row
+
+
 def test_noise_is_keyed_by_seed_and_position():
     keys = [(7, 3), (7, 4), (8, 3), (7, 3)]
     noise = exponential_noise(keys, 50)  # [4, 50]
