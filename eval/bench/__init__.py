@@ -16,6 +16,9 @@ Modes (``--modes``, comma-separated; default ``offline,load``):
 * ``kernels`` (:mod:`.kernels`): the verification kernel's micro-benchmark.
 * ``wrap`` (:mod:`.wrap`): ``specdec.wrap(model).generate`` against the model's own
   ``generate``, plain and assisted, at batch 1 and 8, and the resident memory wrapping adds.
+* ``quant`` (:mod:`.quant`): float32, bfloat16, int8, int4, w8a8, w4a8 and bfloat16 with
+  ``quantized_self`` drafts on the default model, single stream, with llama.cpp on the same GGUF
+  file when installed; ``quantized_self`` acceptance; each quantization's agreement with float32.
 
 Then a recommendation (:mod:`.recommend`), and in ``out``: ``bench.json`` (every figure and the
 environment), ``bench.md`` and PNG plots. Every ratio compares systems run side by side in this
@@ -46,7 +49,7 @@ from specdec.eval.bench.systems import (
 )
 from specdec.eval.questions import DEFAULT_DATASET, by_category, read_questions
 
-MODES = ("offline", "load", "runtime", "kernels", "wrap")
+MODES = ("offline", "load", "runtime", "kernels", "wrap", "quant")
 RATE_MULTIPLIERS = (0.5, 1.0, 2.0, 4.0)  # of one stream's request rate, when no rates are given
 QUICK_RATE_MULTIPLIERS = (1.0, 4.0)
 
@@ -77,6 +80,7 @@ class BenchConfig:
     url: str | None = None  # load a running server instead of the engine in process
     api_key: str | None = None
     kernel_shape: tuple[int, int, int] = (64, 8, 49152)  # B, k, V
+    quant_systems: tuple[str, ...] | None = None  # quant mode's engines; None: all of them
     batch_invariant: bool | None = None  # None: the engine's default for the dtype
     out: str | os.PathLike = "eval/results/bench"
     quick: bool = False
@@ -167,11 +171,33 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             cfg.draft_model,
             rounds=1 if cfg.quick else 2,
         )
+    if "quant" in cfg.modes:
+        result["quant"] = _quant_mode(cfg, groups, result["notes"])
     result["failed"] = bool(result.get("offline", {}).get("mismatches"))
     (out / "bench.json").write_text(json.dumps(result, indent=2, default=str), encoding="utf-8")
     (out / "bench.md").write_text(report.markdown(result), encoding="utf-8")
     result["plots"] = [str(p) for p in report.plot(result, out)]
     return result
+
+
+def _quant_mode(
+    cfg: BenchConfig, groups: dict[str, list[Any]], notes: list[str]
+) -> dict[str, Any] | None:
+    """The quant mode on the first turns of ``questions_per_category`` questions per category
+    (2 when not given): it runs a dozen engines of the default model, in turns."""
+    if cfg.model is not None:
+        notes.append("quant mode skipped: it measures the default model's own GGUF weights.")
+        return None
+    from specdec.eval.bench.quant import run_quant
+
+    per_category = cfg.questions_per_category or 2
+    chosen = [(c, q) for c, qs in groups.items() for q in qs[:per_category]]
+    return run_quant(
+        [q.conversation() for _, q in chosen],
+        [c for c, _ in chosen],
+        cfg.max_new_tokens or 128,
+        list(cfg.quant_systems) if cfg.quant_systems else None,
+    )
 
 
 def _engines(cfg: BenchConfig, notes: list[str]) -> list[Any]:

@@ -158,6 +158,10 @@ def markdown(result: dict[str, Any]) -> str:
         from specdec.eval.bench.wrap import markdown as wrap_markdown
 
         parts += ["## specdec.wrap against transformers generate\n", wrap_markdown(result["wrap"])]
+    if result.get("quant"):
+        from specdec.eval.bench.quant import markdown as quant_markdown
+
+        parts += ["## Quantized weights and quantized_self\n", quant_markdown(result["quant"])]
     parts += [f"- {note}\n" for note in result.get("notes", [])]
     return "\n".join(parts)
 

@@ -281,3 +281,37 @@ def test_wrap_mode_compares_wrap_with_transformers_generate():
         assert row["equals_hf"]["wrap+prompt_lookup"] == row["equals_hf"]["wrap"]
     assert {"after wrap", "after wrap at batch 8"} <= set(wrap["memory_mb"])
     assert "| 8 |" in markdown(wrap)
+
+
+QSELF = "bfloat16+quantized_self k=4"  # a fixed k: no step timing before the run
+
+
+@pytest.mark.integration
+def test_quant_mode_measures_speed_exactness_and_quality(tmp_path, monkeypatch):
+    """The quant mode on the default model, three engines and two short prompts: tokens/s
+    side by side, quantized_self's output equal to bfloat16's plain decoding, its acceptance,
+    and every quantization's agreement with float32 in the report."""
+    config = BenchConfig(
+        modes=("quant",),
+        categories=("qa", "summarization"),
+        questions_per_category=1,
+        max_new_tokens=12,
+        quant_systems=("float32", "bfloat16", QSELF),
+        out=tmp_path,
+    )
+    import specdec.eval.bench.quant
+
+    monkeypatch.setattr(specdec.eval.bench.quant, "QUANTIZATIONS", ("int4", "w8a8"))  # faster
+    quant = run_bench(config)["quant"]
+    assert {"float32", "bfloat16", QSELF} <= set(quant["speed"]["tokens"])
+    assert all(n == 2 * 12 for n in quant["speed"]["tokens"].values())
+    assert quant["exact"] == {QSELF: "yes"}
+    assert quant["speculation"][QSELF]["verify_steps"] > 0
+    assert set(quant["quality"]) == {"int4", "w8a8"}
+    assert quant["quality"]["int4"]["weight_rel_change"] == 0  # the GGUF file's own codes
+    assert quant["quality"]["w8a8"]["weight_rel_change"] > 0  # int8 re-rounds the 4-bit values
+    assert quant["styles"] == ["qa", "summarization"]
+    report = (tmp_path / "bench.md").read_text()
+    assert "## Quantized weights and quantized_self" in report and f"| {QSELF} |" in report
+    with pytest.raises(ValueError, match="systems must include float32"):
+        run_bench(BenchConfig(modes=("quant",), quant_systems=("int4",), out=tmp_path))

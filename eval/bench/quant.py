@@ -1,6 +1,7 @@
-"""Quantization benchmark: int8/int4 linears and the ``quantized_self`` drafter, side by side.
+"""Quant mode of ``specdec bench``: int8/int4 linears and the ``quantized_self`` drafter, side by side.
 
-    python -m specdec.eval.bench_quant [--prompts-per-style N] [--max-tokens N] [--quick]
+    specdec bench --modes quant [--questions-per-category N] [--max-new-tokens N] [--quick]
+    python -m specdec.eval.bench.quant [--prompts-per-style N] [--max-tokens N] [--quick]
 
 On the default model, single stream, greedy, prompt processing included, every system in this one
 process taking turns prompt by prompt (so drift in the machine's speed hits all alike):
@@ -18,8 +19,8 @@ It reports tokens/s and each system's ratio to float32 and to llama.cpp, whether
 output equals its own plain decoding (``quantized_self`` against ``bfloat16``), the
 ``quantized_self`` acceptance per draft position and mean accepted length, and the quality of
 each quantization against float32: top-1 agreement of greedy next tokens and the mean
-log-likelihood difference, teacher-forced over float32's own continuations. Results go to
-``eval/results/quant.{json,md}``.
+log-likelihood difference, teacher-forced over float32's own continuations. As a module it
+writes ``eval/results/quant.{json,md}``; in ``specdec bench`` the figures join the report.
 """
 
 from __future__ import annotations
@@ -72,9 +73,14 @@ QUANTIZATIONS = ("int8", "int4", "w8a8", "w4a8")  # whose quality is measured
 SPECULATIVE = [name for name, options in ENGINES.items() if "speculative" in options]
 
 
-def build_systems() -> tuple[dict[str, Any], list[str]]:
+def build_systems(names: list[str] | None = None) -> tuple[dict[str, Any], list[str]]:
+    """The engines named (default: all of :data:`ENGINES`) and llama.cpp where installed."""
+    chosen = list(ENGINES) if names is None else names
+    unknown = [n for n in chosen if n not in ENGINES]
+    if unknown or "float32" not in chosen:
+        raise ValueError(f"systems must include float32 and be some of {list(ENGINES)}")
     systems: dict[str, Any] = {
-        name: LLM(kv_cache_memory_gb=0.5, **options) for name, options in ENGINES.items()
+        name: LLM(kv_cache_memory_gb=0.5, **ENGINES[name]) for name in chosen
     }
     notes = []
     try:
@@ -227,40 +233,37 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {name} | {q['top1_agreement']:.4f} | {q['mean_loglik_diff']:+.5f} "
             f"| {q['weight_rel_change']:.4f} |"
         )
-    same = "the same" if result["int4_equals_float32"] else "NOT the same"
-    lines += ["", f"int4's greedy outputs are {same} as float32's on these prompts."]
+    if result["int4_equals_float32"] is not None:
+        same = "the same" if result["int4_equals_float32"] else "NOT the same"
+        lines += ["", f"int4's greedy outputs are {same} as float32's on these prompts."]
     return "\n".join(lines + [""] + result["notes"]) + "\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prompts-per-style", type=int, default=3, metavar="N")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--quick", action="store_true", help="1 prompt per style, 32 tokens")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
-    per_style, max_tokens = (1, 32) if args.quick else (args.prompts_per_style, args.max_tokens)
+def run_quant(
+    conversations: list[list[dict[str, str]]],  # one prompt each
+    styles: list[str],  # the category of each
+    max_tokens: int,
+    names: list[str] | None = None,  # engines of ENGINES to run (default: all)
+) -> dict[str, Any]:
+    """Time every system on every prompt, taking turns, then measure quality; the figures."""
     cpu_ops.extension()  # built (or loaded) here, untimed
-    systems, notes = build_systems()
+    systems, notes = build_systems(names)
     llm = systems["float32"]
-    groups = by_category(read_questions(), per_style)
-    styles = [category for category, questions in groups.items() for _ in questions]
-    prompts = [llm.apply_chat_template(q.conversation()) for qs in groups.values() for q in qs]
+    prompts = [llm.apply_chat_template(c) for c in conversations]
     with torch.inference_mode():
         speed(systems, prompts[:1], 8)  # warm every system up
         for llm_system in systems.values():
             if isinstance(llm_system, LLM):
                 llm_system.engine.verifier.stats = SpecStats()  # count the timed run only
-        print(f"timing {len(systems)} systems on {len(prompts)} prompts ...", flush=True)
         timed = speed(systems, prompts, max_tokens)
-        print("quality ...", flush=True)
         quality_report = quality(prompts, timed["outputs"]["float32"])
     outputs = timed.pop("outputs")
     exact = {
-        name: "yes" if outputs[name] == outputs[PLAIN_OF.get(name, name)] else "NO"
-        for name in PLAIN_OF
+        name: "yes" if outputs[name] == outputs[plain] else "NO"
+        for name, plain in PLAIN_OF.items()
+        if name in outputs and plain in outputs
     }
-    result = {
+    return {
         "num_prompts": len(prompts),
         "max_tokens": max_tokens,
         "threads": torch.get_num_threads(),
@@ -272,11 +275,30 @@ def main() -> None:
             for style in dict.fromkeys(styles)
         },
         "exact": exact,
-        "speculation": {name: spec_summary(systems[name]) for name in SPECULATIVE},
+        "speculation": {
+            name: spec_summary(systems[name]) for name in SPECULATIVE if name in systems
+        },
         "quality": quality_report,
         "notes": notes,
-        "int4_equals_float32": outputs["int4"] == outputs["float32"],
+        "int4_equals_float32": outputs.get("int4") == outputs["float32"]
+        if "int4" in outputs
+        else None,
     }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts-per-style", type=int, default=3, metavar="N")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--quick", action="store_true", help="1 prompt per style, 32 tokens")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    per_style, max_tokens = (1, 32) if args.quick else (args.prompts_per_style, args.max_tokens)
+    groups = by_category(read_questions(), per_style)
+    styles = [category for category, questions in groups.items() for _ in questions]
+    conversations = [q.conversation() for qs in groups.values() for q in qs]
+    print(f"timing {len(ENGINES)} systems on {len(conversations)} prompts ...", flush=True)
+    result = run_quant(conversations, styles, max_tokens)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "quant.json").write_text(json.dumps(result, indent=2))
     table = markdown(result)
