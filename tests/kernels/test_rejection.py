@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,6 +18,7 @@ from specdec.kernels.rejection import (
     verify_row_tokens_reference,
     verify_row_tokens_triton,
 )
+from tests.kernels import compile_for_hopper
 
 pytestmark = pytest.mark.cuda  # selected by make gpu-check
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -343,32 +342,23 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from specdec.kernels.rejection import _rejection_sample_kernel as kernel
 
-for probs, has_draft_probs in [("*fp32", True), ("*bf16", False)]:
-    pointers = ["*i64"] * 4 + [probs, probs, "*i1", "*fp64", "*fp64"]
+# (target dtype, draft probs, row-token mode): the row-token mode's noise is float32
+for probs, has_draft_probs, row_tokens in [
+    ("fp32", True, False), ("bf16", False, False), ("fp32", False, True)
+]:
+    noise = "*fp32" if row_tokens else "*fp64"
+    pointers = ["*i64"] * 4 + ["*" + probs] * 2 + ["*i1", noise, noise]
     types = pointers + ["i32", "i32", "constexpr", "constexpr", "constexpr"]
-    constexprs = {"HAS_DRAFT_PROBS": has_draft_probs, "BLOCK": 2048, "ROW_TOKENS": False}
+    constexprs = {"HAS_DRAFT_PROBS": has_draft_probs, "BLOCK": 2048, "ROW_TOKENS": row_tokens}
     source = ASTSource(kernel, dict(zip(kernel.arg_names, types)), constexprs)
     options = {"num_warps": 8, "enable_fp_fusion": False}
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
     print(sorted(set(re.findall(r"div\\.[a-z0-9.]+", ptx))))
-# row-token mode: float32 noise per row, the race divided in float32
-pointers = ["*i64"] * 4 + ["*fp32", "*fp32", "*i1", "*fp32", "*fp32"]
-types = pointers + ["i32", "i32", "constexpr", "constexpr", "constexpr"]
-constexprs = {"HAS_DRAFT_PROBS": False, "BLOCK": 2048, "ROW_TOKENS": True}
-source = ASTSource(kernel, dict(zip(kernel.arg_names, types)), constexprs)
-options = {"num_warps": 8, "enable_fp_fusion": False}
-ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
-print(sorted(set(re.findall(r"div\\.[a-z0-9.]+", ptx))))
 """
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the other kernel tests compile it")
 def test_kernel_compiles_for_hopper() -> None:
-    """The interpreter accepts code the compiler rejects: compile to PTX for sm_90, no GPU needed."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, "-c", COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
     # Divisions are correctly rounded, as torch's are, so the kernel matches the reference.
-    assert run.stdout.split() == ["['div.rn.f64']"] * 2 + ["['div.rn.f32']"]
+    divisions = compile_for_hopper(COMPILE_FOR_HOPPER).split()
+    assert divisions == ["['div.rn.f64']"] * 2 + ["['div.rn.f32']"]
