@@ -1,8 +1,8 @@
 """Paged attention: write this step's K/V into the block cache, then attend over each context.
 
 One function, :func:`paged_attention`, is the whole interface. On the CPU, decodes and
-verifications run as one C++ call and the rest through torch's SDPA; on CUDA (``triton=True`` in
-the metadata), decodes and verifications run the Triton paged-attention kernel
+verifications run as one C++ call and the rest through torch's SDPA; on CUDA (metadata built with
+``triton=True``), decodes and verifications run the Triton paged-attention kernel
 (``kernels/paged_attention.py``), which reads keys through the block tables, and prompts torch's
 fused SDPA (flash or memory-efficient), on their own K/V or, after a prefix-cache hit or in a
 later chunk, on K/V gathered from the cache.
@@ -143,7 +143,6 @@ class AttentionMetadata:
     groups: list[QueryGroup]  # the sequences that read keys from the cache
     dense: bool  # one group, the whole batch in order with no padding: [N] = [G, Q]
     invariant: bool  # batch-invariant attention (see the module docstring)
-    triton: bool = False  # narrow groups through the Triton kernel (CUDA; see the module docstring)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor of the step's metadata, in a fixed order (see :meth:`replace_tensors`)."""
@@ -207,7 +206,6 @@ class AttentionMetadata:
             groups,
             dense,
             invariant,
-            triton and not invariant,
         )
 
 
@@ -251,8 +249,8 @@ def paged_attention(
         assert cu_q_lens is not None and seq_lens is not None and tables is not None
         return paged_attention_triton(queries, cu_q_lens, seq_lens, tables, k_cache, v_cache, scale)
 
-    def use_triton(group: QueryGroup) -> bool:
-        return meta.triton and group.query_index.shape[1] <= NARROW_QUERY
+    def use_triton(group: QueryGroup) -> bool:  # built for the kernel: see AttentionMetadata.build
+        return group.block_tables is not None
 
     if meta.dense:  # decodes and verification only: no scatter of outputs
         if use_triton(meta.groups[0]):

@@ -62,10 +62,10 @@ def process_logits_for(
     temperature, top_k, top_p, min_p = torch.tensor(settings, dtype=torch.float64).T
     return process_logits(
         logits,
-        temperature.to(logits.device),
+        temperature.float().to(logits.device),
         top_k.long().to(logits.device),
-        top_p.to(logits.device),
-        min_p.to(logits.device),
+        top_p.float().to(logits.device),
+        min_p.float().to(logits.device),
     )
 
 

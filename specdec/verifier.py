@@ -33,7 +33,7 @@ across the batch and never samples a row after a mismatch: on the CPU, drawing a
 noise costs far more than comparing its token. ``"triton"`` (CUDA's) draws every row's noise on
 the device and hands the whole step to one launch of the fused kernel in row-token mode
 (:func:`specdec.kernels.rejection.verify_row_tokens_triton`), greedy and sampled rows together.
-Fed the same noise, both emit the same tokens (``tests/test_verifier.py``).
+Fed the same noise, both emit the same tokens (``tests/test_device.py``).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from specdec.runner import StepResult
 from specdec.sampling import exponential_noise, next_tokens, process_logits_for
 from specdec.scheduler import SchedulerOutput
 from specdec.sequence import Sequence
+from specdec.verify import BACKENDS
 
 
 @dataclass(slots=True)
@@ -114,8 +115,8 @@ class Verification:
 class Verifier:
     def __init__(self, backend: str = "torch") -> None:
         """``backend``: ``"torch"``, the walk; ``"triton"``, one kernel launch per step."""
-        if backend not in ("torch", "triton"):
-            raise ValueError(f"unknown verification backend {backend!r}; use 'torch' or 'triton'")
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown verification backend {backend!r}; choose one of {BACKENDS}")
         self.backend = backend
         self.stats = SpecStats()
 

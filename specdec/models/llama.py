@@ -265,7 +265,6 @@ class LlamaForCausalLM(nn.Module):
         device = torch.device(device)
         if device.type == "cuda":
             _check_cuda_options(batch_invariant, quantization)
-            batch_invariant = False
         with torch.device("meta"):
             model = cls(hf_config, max_positions)
         model.to_empty(device=device)
