@@ -45,11 +45,6 @@
 #define SPECDEC_AMX 0
 #endif
 
-#if SPECDEC_AMX
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
 #include "cpu_simd.h"
 
 namespace {
@@ -359,14 +354,6 @@ void pair_linear_rows(const BFloat16* x, const uint32_t* w, const BFloat16* bias
 // feature only, never on the other rows of the tile, so tiles of any row count give a row the
 // same bits; rows whose width is not a whole number of steps are copied with zeros after them.
 
-struct TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {0};
-  uint16_t colsb[16] = {0};
-  uint8_t rows[16] = {0};
-};
-
 // Tiles 0-1: `rows` x 16 float32 sums; 4: `rows` x 32 bf16 inputs; 5-6: 16 pairs x 16 features.
 inline void configure_tiles(int rows) {
   TileConfig cfg;
@@ -377,14 +364,6 @@ inline void configure_tiles(int rows) {
   _tile_loadconfig(&cfg);
 }
 
-// Linux hands a process the AMX state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA); it is asked once, and where it refuses the pair kernel runs instead.
-bool amx_usable() {
-  static const bool usable = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return usable;
-}
-
-// Rows of x (`stride` bf16 apart, whole steps wide) against group g, into sums[4][rows][16].
 // Rows of x (`stride` bf16 apart, whole steps wide) against group g, into sums[2][rows][16].
 inline void amx_group(const BFloat16* x, int64_t stride, const uint32_t* w, const PairLayout& l,
                       int64_t g, float* sums, bool stage) {

@@ -21,7 +21,9 @@
 // it gives the same bits.
 //
 // Work is split over threads by blocks of 16 features; within a block, tiles of up to 8 rows
-// share each code vector loaded. Long inputs run in chunks of kQuantRowChunk rows.
+// share each code vector loaded (with int8 activations on a CPU with AMX, tiles of 16 rows run on
+// the tile unit first, with the same bits: see "int8 activations on AMX tiles"). Long inputs run
+// in chunks of kQuantRowChunk rows.
 
 #include <torch/extension.h>
 
@@ -240,6 +242,32 @@ inline __m512i broadcast4(const uint8_t* p) {  // 4 bytes into every int32 lane
   return _mm512_set1_epi32(v);
 }
 
+// The float steps of one group for 16 features: what turns a row's int32 sums S (offset by
+// 128 * sum q for int8 weights) into its share of the outputs. Every tile that computes S, on
+// whatever unit, ends with this, so a row's bits never depend on the unit.
+template <int BITS>
+struct GroupScales {
+  __m512 d, mn = _mm512_setzero_ps();
+  __m512i offset = _mm512_setzero_si512();
+  GroupScales(const c10::Half* scales, const void* extra, const QuantLayout& l, int64_t block,
+              int64_t g) {
+    const int64_t s = (block * l.groups + g) * kFeatures;
+    d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + s)));
+    if (BITS == 4)
+      mn = _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(extra) + block * l.groups + g));
+    else
+      offset = _mm512_slli_epi32(_mm512_cvtepi16_epi32(_mm256_loadu_si256(
+                   static_cast<const __m256i*>(extra) + block * l.groups + g)), 7);
+  }
+  // total + dx * (float(S) * dw (+ mw * float(sum qx))), for the row whose group is `rg`
+  __m512 add(__m512 total, __m512i sums, const Int8Rows& a, int64_t rg) const {
+    const __m512i sum = _mm512_sub_epi32(sums, offset);
+    __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), d);
+    if (BITS == 4) t = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.s[rg]), t);
+    return _mm512_fmadd_ps(t, _mm512_set1_ps(a.d[rg]), total);
+  }
+};
+
 template <int R, int BITS>
 inline void int8_tile(const Int8Rows& a, int64_t m, const uint8_t* codes, const c10::Half* scales,
                       const void* extra, const QuantLayout& l, int64_t block,
@@ -275,22 +303,10 @@ inline void int8_tile(const Int8Rows& a, int64_t m, const uint8_t* codes, const 
           chain[r][t % C] = _mm512_dpbusd_epi32(chain[r][t % C], broadcast4(q + r * l.in + 4 * t), w);
       }
     }
-    const int64_t s = (block * l.groups + g) * kFeatures;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + s)));
-    __m512 mn = _mm512_setzero_ps();
-    __m512i offset = _mm512_setzero_si512();
-    if (BITS == 4)
-      mn = _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(extra) + block * l.groups + g));
-    else
-      offset = _mm512_slli_epi32(_mm512_cvtepi16_epi32(_mm256_loadu_si256(
-                   static_cast<const __m256i*>(extra) + block * l.groups + g)), 7);
+    const GroupScales<BITS> gs(scales, extra, l, block, g);
     for (int r = 0; r < R; r++) {
-      const int64_t rg = (m + r) * l.groups + g;
       const __m512i both = C == 2 ? _mm512_add_epi32(chain[r][0], chain[r][1]) : chain[r][0];
-      const __m512i sum = _mm512_sub_epi32(both, offset);
-      __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), d);
-      if (BITS == 4) t = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.s[rg]), t);
-      total[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(a.d[rg]), total[r]);
+      total[r] = gs.add(total[r], both, a, (m + r) * l.groups + g);
     }
   }
   for (int r = 0; r < R; r++) _mm512_storeu_ps(totals + r * kFeatures, total[r]);
@@ -339,11 +355,105 @@ inline void int8_tile(const Int8Rows& a, int64_t m, const uint8_t* codes, const 
 
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__AVX512VNNI__)
+#define SPECDEC_AMX_INT8 1
+#else
+#define SPECDEC_AMX_INT8 0
+#endif
+
+#if SPECDEC_AMX_INT8
+// ---- int8 activations on AMX tiles ----
+//
+// Where the CPU has AMX, tiles of 16 rows (prompt chunks, wide batches) compute a group's int32
+// sums S for 16 rows and 16 features in one TDPBSSD (int4 codes 0..15 against qx, both read as
+// signed) or TDPBUSD (qx + 128 against int8 codes): 8,192 multiply-adds an instruction against
+// vpdpbusd's 64. Tile A is 16 rows of the group's 32 activation bytes, read in place; tile B is
+// the group's weights as 8 quads x 16 features x 4 bytes: the int8 layout itself, and the int4
+// one with its nibbles split into bytes. Integer sums are exact in any order, and the float steps
+// after them are GroupScales', so a row's bits are the same here as in the vpdpbusd tile (and a
+// row-count change that moves a row between the two changes nothing): tested bit for bit.
+constexpr int kAmxRows = 16;
+constexpr int kAmxGroups = 4;  // groups in flight, one sum tile each, so the tile unit overlaps
+
+// Tiles 0-3: 16 rows x 16 features of int32 sums, one per group in flight; 4-5: 16 rows x 32
+// activation bytes; 6-7: the weights, 8 quads x 64 bytes (activations and weights alternate, so
+// that a group's loads need not wait for the previous group's product).
+inline void configure_int8_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; t++) {
+    cfg.rows[t] = t < 6 ? kAmxRows : kGroup / 4;
+    cfg.colsb[t] = t == 4 || t == 5 ? kGroup : kFeatures * 4;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Group i in flight: its sums into tile C from activations in tile A and weights in tile B (tile
+// numbers are literal: the intrinsics paste them into the instruction).
+#define SPECDEC_GROUP_SUMS(C, A, B, i)                       \
+  do {                                                       \
+    _tile_zero(C);                                           \
+    _tile_loadd(A, q + (i) * kGroup, l.in);                  \
+    _tile_loadd(B, w[i], 64);                                \
+    if (BITS == 4) _tile_dpbssd(C, A, B);                    \
+    else _tile_dpbusd(C, A, B);                              \
+    _tile_stored(C, sums + (i) * kAmxRows * kFeatures, 64);  \
+  } while (0)
+
+template <int BITS>
+inline void amx_int8_tile(const Int8Rows& a, int64_t m, const uint8_t* codes,
+                          const c10::Half* scales, const void* extra, const QuantLayout& l,
+                          int64_t block, float* totals /* [16][16] */) {
+  __m512 total[kAmxRows];
+  for (int r = 0; r < kAmxRows; r++) total[r] = _mm512_setzero_ps();
+  alignas(64) uint8_t split[kAmxGroups][kGroup / 4 * 64];  // int4 codes, one byte each
+  // Two sets of sums: the tile unit computes the next groups' while the vector code scales these.
+  alignas(64) int32_t stored[2][kAmxGroups * kAmxRows * kFeatures];
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const uint8_t* c = codes + block * l.groups * l.group_bytes();
+  auto sums_of = [&](int64_t g0, int32_t* sums) {  // groups g0.. into `sums`, on the tile unit
+    const int n = static_cast<int>(std::min<int64_t>(kAmxGroups, l.groups - g0));
+    const uint8_t* w[kAmxGroups];
+    for (int i = 0; i < n; i++) {
+      const uint8_t* cg = c + (g0 + i) * l.group_bytes();
+      w[i] = cg;
+      if (BITS == 4) {  // low nibbles: inputs 4k..4k+3 (quad k); high: 16 + 4k.. (quad 4 + k)
+        for (int k = 0; k < 4; k++) {
+          const __m512i raw = _mm512_loadu_si512(cg + k * 64);
+          _mm512_store_si512(split[i] + k * 64, _mm512_and_si512(raw, nibble));
+          _mm512_store_si512(split[i] + (4 + k) * 64,
+                             _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble));
+        }
+        w[i] = split[i];
+      }
+    }
+    const uint8_t* q = a.q.data() + m * l.in + g0 * kGroup;
+    SPECDEC_GROUP_SUMS(0, 4, 6, 0);
+    if (n > 1) SPECDEC_GROUP_SUMS(1, 5, 7, 1);
+    if (n > 2) SPECDEC_GROUP_SUMS(2, 4, 6, 2);
+    if (n > 3) SPECDEC_GROUP_SUMS(3, 5, 7, 3);
+  };
+  sums_of(0, stored[0]);
+  for (int64_t g0 = 0, j = 0; g0 < l.groups; g0 += kAmxGroups, j ^= 1) {
+    if (g0 + kAmxGroups < l.groups) sums_of(g0 + kAmxGroups, stored[j ^ 1]);
+    const int n = static_cast<int>(std::min<int64_t>(kAmxGroups, l.groups - g0));
+    for (int i = 0; i < n; i++) {  // groups in order, as every tile adds them
+      const GroupScales<BITS> gs(scales, extra, l, block, g0 + i);
+      const int32_t* si = stored[j] + i * kAmxRows * kFeatures;
+      for (int r = 0; r < kAmxRows; r++)
+        total[r] = gs.add(total[r], _mm512_load_si512(si + r * kFeatures), a, (m + r) * l.groups + g0 + i);
+    }
+  }
+  for (int r = 0; r < kAmxRows; r++) _mm512_storeu_ps(totals + r * kFeatures, total[r]);
+}
+#undef SPECDEC_GROUP_SUMS
+#endif
+
 // --- the driver: threads over blocks of 16 features, tiles of rows within a block -------------
 
 template <int BITS>
 struct FloatTile {  // float activations
   static constexpr int kRows = kQuantRows;
+  static constexpr bool kAmx = false;  // float sums: no tile unit gives the vector code's bits
   const float *x, *xsum;
   const uint8_t* codes;
   const c10::Half *scales, *mins;
@@ -357,6 +467,7 @@ struct FloatTile {  // float activations
 template <int BITS>
 struct Int8Tile {  // int8 activations
   static constexpr int kRows = kA8Rows;
+  static constexpr bool kAmx = SPECDEC_AMX_INT8;  // tiles of 16 rows on AMX, where it is usable
   const Int8Rows& a;
   const uint8_t* codes;
   const c10::Half* scales;
@@ -364,6 +475,12 @@ struct Int8Tile {  // int8 activations
   const QuantLayout& l;
   template <int R>
   void run(int64_t m, int64_t block, float* totals) const {
+#if SPECDEC_AMX_INT8
+    if constexpr (R == kAmxRows) {
+      amx_int8_tile<BITS>(a, m, codes, scales, extra, l, block, totals);
+      return;
+    }
+#endif
     int8_tile<R, BITS>(a, m, codes, scales, extra, l, block, totals);
   }
 };
@@ -386,8 +503,18 @@ void quant_linear_rows(const Tile& tile, const T* bias, T* y, int64_t rows, cons
   for (int64_t m0 = 0; m0 < rows; m0 += kQuantRowChunk) {
     const int64_t m1 = std::min(rows, m0 + kQuantRowChunk);
     at::parallel_for(0, l.blocks, 1, [&](int64_t begin, int64_t end) {
+      [[maybe_unused]] bool configured = false;
       for (int64_t block = begin; block < end; block++) {
         int64_t m = m0;
+#if SPECDEC_AMX_INT8
+        if constexpr (Tile::kAmx) {
+          if (m1 - m0 >= kAmxRows && amx_usable()) {
+            if (!configured) configure_int8_tiles();
+            configured = true;
+            for (; m + kAmxRows <= m1; m += kAmxRows) tile_rows<T, kAmxRows>(tile, bias, y, l, m, block);
+          }
+        }
+#endif
         for (; m + Tile::kRows <= m1; m += Tile::kRows)
           tile_rows<T, Tile::kRows>(tile, bias, y, l, m, block);
         switch (m1 - m) {
@@ -399,6 +526,9 @@ void quant_linear_rows(const Tile& tile, const T* bias, T* y, int64_t rows, cons
           default: break;
         }
       }
+#if SPECDEC_AMX_INT8
+      if (configured) _tile_release();
+#endif
     });
   }
 }

@@ -1,12 +1,18 @@
-// Shared pieces of the CPU kernels (cpu_ops.cpp, cpu_linear.cpp): loads that widen to float32,
-// rounding as torch rounds, a vectorisable exp, and the fixed tree in which 16 lane sums are
-// added. Every kernel that sums uses these, so a sum's order is written down in one place.
+// Shared pieces of the CPU kernels (cpu_ops.cpp, cpu_linear.cpp, cpu_quant.cpp): loads that widen
+// to float32, rounding as torch rounds, a vectorisable exp, the fixed tree in which 16 lane sums
+// are added, and access to AMX tiles. Every kernel that sums uses these, so a sum's order is
+// written down in one place.
 #pragma once
 
 #include <torch/extension.h>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #include <algorithm>
@@ -138,6 +144,24 @@ inline __m512 round16(__m512 v, const BFloat16*) {
 }
 inline __mmask16 tail_mask(int64_t remaining) {
   return remaining >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << remaining) - 1);
+}
+#endif
+
+#if defined(__AMX_TILE__)
+// An AMX tile configuration (palette 1): each tile's rows and bytes per row.
+struct TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {0};
+  uint16_t colsb[16] = {0};
+  uint8_t rows[16] = {0};
+};
+
+// Linux hands a process the AMX state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); it is asked once, and where it refuses the vector kernels run instead.
+inline bool amx_usable() {
+  static const bool usable = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return usable;
 }
 #endif
 

@@ -20,7 +20,7 @@ from specdec.kernels.cpu_quant import (
 from specdec.models.quant import quantize
 
 needs_kernels = pytest.mark.skipif(not cpu_ops.enabled(), reason="no fused CPU kernels")
-ROW_COUNTS = [1, 2, 3, 4, 5, 7, 8, 9, 17, 127, 128, 129, 200]
+ROW_COUNTS = [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 127, 128, 129, 200]  # 16s: AMX tiles
 SHAPES = [(576, 960), (1536, 576), (64, 40), (96, 7)]  # (in, out); 40 and 7: a padded block
 
 
@@ -106,22 +106,30 @@ def _check_rows(kernels, bits: int, dtype: torch.dtype, int8_activations: bool) 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_do_not_depend_on_the_row_count(bits, dtype, int8_activations) -> None:
-    """A row gets the same bits alone, in a tile of 2-8, and across the 128-row chunks."""
+    """A row gets the same bits alone, in a tile of 2-8, in a 16-row AMX tile (int8 activations,
+    where the CPU has AMX), and across the 128-row chunks."""
     _check_rows(cpu_ops.extension(), bits, dtype, int8_activations)
 
 
 @pytest.mark.skipif(os.environ.get("SPECDEC_SLOW_TESTS") != "1", reason="SPECDEC_SLOW_TESTS=1")
 @needs_kernels
-def test_portable_build_gives_the_same_bits() -> None:
-    """The scalar code of a CPU without AVX-512, compiled here, gives this machine's bits."""
-    portable = cpu_ops._build(("-mno-avx512f",), "specdec_cpu_ops_portable")
+@pytest.mark.parametrize("build", ["no-amx", "portable"])
+def test_other_builds_give_the_same_bits(build: str) -> None:
+    """The code of CPUs unlike this one, compiled here, gives this machine's bits: vpdpbusd tiles
+    alone (no AMX), and the scalar code (no AVX-512). Rows in 16-row tiles are AMX's where this
+    CPU has it."""
+    flags = {
+        "no-amx": ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"),
+        "portable": ("-mno-avx512f",),
+    }[build]
+    other = cpu_ops._build(flags, f"specdec_cpu_ops_{build.replace('-', '_')}")
     for bits in (4, 8):
         for int8_activations in A8:
-            _check_rows(portable, bits, torch.float32, int8_activations)
+            _check_rows(other, bits, torch.float32, int8_activations)
             packed = pack(random_weight((576, 40), bits), int8_activations)
-            x = torch.randn(5, 576)
+            x = torch.randn(40, 576)
             assert torch.equal(
-                quant_linear(portable, x, packed), quant_linear(cpu_ops.extension(), x, packed)
+                quant_linear(other, x, packed), quant_linear(cpu_ops.extension(), x, packed)
             )
 
 
