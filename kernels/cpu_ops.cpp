@@ -721,6 +721,10 @@ void check_like(const torch::Tensor& t, const torch::Tensor& like, const char* n
   TORCH_CHECK(t.scalar_type() == like.scalar_type(), name, " must have the input's dtype");
 }
 
+}  // namespace
+
+// The ops, called from Python and from the decoder stack (cpu_stack.cpp).
+
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   check_rows(x, "x");
   TORCH_CHECK(x.is_contiguous(), "x must be contiguous");
@@ -864,8 +868,6 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   return out;
 }
 
-}  // namespace
-
 // cpu_linear.cpp
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
                      const c10::optional<torch::Tensor>& bias);
@@ -883,6 +885,9 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& codes,
 torch::Tensor exponential_noise(const torch::Tensor& keys, int64_t vocab);
 torch::Tensor noise_uniforms(const torch::Tensor& keys, int64_t vocab);
 
+// cpu_stack.cpp
+void register_decoder_stack(pybind11::module& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "weight * RMSNorm(x), per row");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place; weight * RMSNorm(residual)");
@@ -896,4 +901,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cached_attention", &cached_attention, "a padded group's attention to cached keys");
   m.def("exponential_noise", &exponential_noise, "Exp(1) noise [keys, vocab], counter-based");
   m.def("noise_uniforms", &noise_uniforms, "the uniforms behind exponential_noise, float64");
+  register_decoder_stack(m);
 }

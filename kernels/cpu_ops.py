@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 SOURCES = [
     pathlib.Path(__file__).with_name(n)
-    for n in ("cpu_ops.cpp", "cpu_linear.cpp", "cpu_quant.cpp", "cpu_sampling.cpp")
+    for n in ("cpu_ops.cpp", "cpu_linear.cpp", "cpu_quant.cpp", "cpu_sampling.cpp", "cpu_stack.cpp")
 ]
 HEADER = pathlib.Path(__file__).with_name("cpu_simd.h")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)

@@ -18,6 +18,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from specdec.attention import AttentionMetadata, paged_attention
 from specdec.kernels import cpu_ops
+from specdec.models.fused import FusedStack
+from specdec.models.fused import enabled as fused_enabled
 from specdec.models.hugepages import move_to_huge_pages
 from specdec.models.linear import (
     batch_invariant_by_default,
@@ -211,6 +213,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.batch_invariant = False  # set by from_hf; the runner's attention follows it
+        self.fused: FusedStack | None = None  # set by from_hf where the kernels take every layer
 
     @property
     def attention_layers(self) -> list[Attention]:
@@ -221,6 +224,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [N, hidden]
         x = self.embed_tokens(input_ids)  # [N, hidden], a fresh tensor: the residual stream
         rope = self.rope(positions, x.dtype)
+        if self.fused is not None and self.fused.eligible(x, meta):
+            return self.fused.forward(x, rope, meta)  # the same ops in one C++ call
         residual = None
         for layer in self.layers:
             x, residual = layer.forward(x, residual, rope, meta)
@@ -292,7 +297,9 @@ class LlamaForCausalLM(nn.Module):
         prepack_linears(model, invariant=model.batch_invariant)
         if huge_pages:
             move_to_huge_pages(model)  # weights streamed from 2 MB pages (see models/hugepages.py)
-        return model.eval().requires_grad_(False)
+        model.eval().requires_grad_(False)
+        model.fused = FusedStack.build(model) if fused_enabled() else None  # models/fused.py
+        return model
 
     def weight_bytes_per_step(self) -> int:
         """Bytes of weights a decode step reads: every matrix once, one row of the embedding."""

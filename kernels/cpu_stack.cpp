@@ -1,0 +1,148 @@
+// A decode step's decoder layers in one call from Python (specdec/models/fused.py).
+//
+// A single-token decode of the default model makes about 240 calls into the kernels, eight a
+// layer, and between them Python: module lookups, views, splits, wrappers that pick a kernel.
+// With int4 weights the linears stream their 98 MB in about 2.9 ms; the step took 5.2 ms, and
+// about a millisecond of the difference was that glue. DecoderStack runs the same ops, in the
+// same order, on the same kernels, with the same arguments as models/llama.py's
+// DecoderLayer.forward does for a step of decodes and verifications (one group of queries,
+// padded or not: see specdec/attention.py), so every row gets the bits the Python path gives it; the
+// tests compare the two bit for bit. Prompt chunks, which the Python path splits into groups and
+// sends through SDPA, and steps of more rows than the float32 row kernel takes, stay in Python.
+
+#include <pybind11/stl.h>
+#include <torch/extension.h>
+
+#include <utility>
+#include <vector>
+
+// cpu_ops.cpp
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+torch::Tensor add_rms_norm_(torch::Tensor& residual, const torch::Tensor& x,
+                            const torch::Tensor& weight, double eps);
+torch::Tensor silu_mul(const torch::Tensor& gate_up);
+void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads,
+           int64_t head_dim);
+void write_kv_(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache,
+               torch::Tensor& v_cache, const torch::Tensor& slot_mapping);
+torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                               const torch::Tensor& v_cache, const torch::Tensor& query_index,
+                               const torch::Tensor& key_slots, const torch::Tensor& q_len,
+                               const torch::Tensor& c_len, double scale);
+// cpu_linear.cpp
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
+                     const c10::optional<torch::Tensor>& bias);
+torch::Tensor linear_pairs(const torch::Tensor& x, const torch::Tensor& packed,
+                           const c10::optional<torch::Tensor>& bias, int64_t out);
+// cpu_quant.cpp
+torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& codes,
+                           const torch::Tensor& scales, const c10::optional<torch::Tensor>& extra,
+                           const c10::optional<torch::Tensor>& bias, int64_t bits, int64_t out,
+                           bool int8_activations);
+
+namespace {
+
+using OptionalTensor = c10::optional<torch::Tensor>;
+
+// A linear layer as one of the three kernels takes it (models/fused.py reads it off the module).
+struct StackLinear {
+  enum Kind : int64_t { kFloatRows = 0, kPairs = 1, kQuant = 2 };
+  int64_t kind;
+  torch::Tensor weight;  // the float32 [out, in] matrix, the packed pairs, or the codes
+  OptionalTensor scales, extra, bias;
+  int64_t bits, out;
+  bool int8_activations;
+
+  StackLinear(int64_t kind, torch::Tensor weight, OptionalTensor scales, OptionalTensor extra,
+              OptionalTensor bias, int64_t bits, int64_t out, bool int8_activations)
+      : kind(kind), weight(std::move(weight)), scales(std::move(scales)),
+        extra(std::move(extra)), bias(std::move(bias)), bits(bits), out(out),
+        int8_activations(int8_activations) {
+    TORCH_CHECK(kind >= kFloatRows && kind <= kQuant, "unknown linear kind ", kind);
+    TORCH_CHECK(kind != kQuant || this->scales.has_value(), "a quantized linear needs scales");
+  }
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    switch (kind) {
+      case kFloatRows: return ::linear(x, weight, bias);
+      case kPairs: return ::linear_pairs(x, weight, bias, out);
+      default: return ::quant_linear(x, weight, *scales, extra, bias, bits, out, int8_activations);
+    }
+  }
+};
+
+struct StackLayer {
+  torch::Tensor input_norm, post_norm;  // RMSNorm weights
+  StackLinear qkv, o, gate_up, down;
+  torch::Tensor k_cache, v_cache;  // [blocks, block_size, kv_heads, head_dim]
+
+  StackLayer(torch::Tensor input_norm, torch::Tensor post_norm, StackLinear qkv, StackLinear o,
+             StackLinear gate_up, StackLinear down, torch::Tensor k_cache, torch::Tensor v_cache)
+      : input_norm(std::move(input_norm)), post_norm(std::move(post_norm)), qkv(std::move(qkv)),
+        o(std::move(o)), gate_up(std::move(gate_up)), down(std::move(down)),
+        k_cache(std::move(k_cache)), v_cache(std::move(v_cache)) {}
+};
+
+class DecoderStack {
+ public:
+  DecoderStack(std::vector<StackLayer> layers, torch::Tensor final_norm, int64_t heads,
+               int64_t kv_heads, int64_t head_dim, double scale, double eps)
+      : layers_(std::move(layers)), final_norm_(std::move(final_norm)), heads_(heads),
+        kv_heads_(kv_heads), head_dim_(head_dim), scale_(scale), eps_(eps) {}
+
+  // The final hidden states [N, hidden] of N query tokens whose embeddings are `x` (a fresh
+  // tensor: it becomes the residual stream, updated in place), as LlamaForCausalLM.forward.
+  torch::Tensor forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const torch::Tensor& slots, const torch::Tensor& query_index,
+                        const torch::Tensor& key_slots, const torch::Tensor& query_lens,
+                        const torch::Tensor& context_lens, const torch::Tensor& valid_index,
+                        const torch::Tensor& valid_rows, bool dense) {
+    const int64_t n = x.size(0);
+    torch::Tensor residual;
+    for (size_t i = 0; i < layers_.size(); i++) {
+      StackLayer& l = layers_[i];
+      torch::Tensor h;
+      if (i == 0) {
+        residual = x;
+        h = ::rms_norm(x, l.input_norm, eps_);
+      } else {
+        h = add_rms_norm_(residual, x, l.input_norm, eps_);
+      }
+      torch::Tensor qkv = l.qkv(h);
+      rope_(qkv, cos, sin, heads_ + kv_heads_, head_dim_);
+      const auto parts = qkv.view({n, -1, head_dim_}).split_with_sizes({heads_, kv_heads_, kv_heads_}, 1);
+      write_kv_(parts[1], parts[2], l.k_cache, l.v_cache, slots);
+      torch::Tensor attention = cached_attention(parts[0], l.k_cache, l.v_cache, query_index,
+                                                 key_slots, query_lens, context_lens, scale_);
+      if (!dense) {  // padded queries: each real row to its token's place
+        const torch::Tensor rows = attention.flatten(0, 1).index_select(0, valid_rows);
+        attention = torch::empty_like(parts[0]).index_copy_(0, valid_index, rows);
+      }
+      h = add_rms_norm_(residual, l.o(attention.reshape({n, heads_ * head_dim_})), l.post_norm, eps_);
+      x = l.down(silu_mul(l.gate_up(h)));
+    }
+    return add_rms_norm_(residual, x, final_norm_, eps_);
+  }
+
+ private:
+  std::vector<StackLayer> layers_;
+  torch::Tensor final_norm_;
+  int64_t heads_, kv_heads_, head_dim_;
+  double scale_, eps_;
+};
+
+}  // namespace
+
+void register_decoder_stack(pybind11::module& m) {
+  namespace py = pybind11;
+  py::class_<StackLinear>(m, "StackLinear")
+      .def(py::init<int64_t, torch::Tensor, OptionalTensor, OptionalTensor, OptionalTensor, int64_t,
+                    int64_t, bool>());
+  py::class_<StackLayer>(m, "StackLayer")
+      .def(py::init<torch::Tensor, torch::Tensor, StackLinear, StackLinear, StackLinear,
+                    StackLinear, torch::Tensor, torch::Tensor>());
+  py::class_<DecoderStack>(m, "DecoderStack")
+      .def(py::init<std::vector<StackLayer>, torch::Tensor, int64_t, int64_t, int64_t, double,
+                    double>())
+      .def("forward", &DecoderStack::forward, "a step of decodes and verifications, every layer");
+}

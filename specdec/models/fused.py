@@ -1,0 +1,127 @@
+"""A step of decodes and verifications through every decoder layer in one C++ call.
+
+:class:`FusedStack` hands the model's layers to ``DecoderStack`` (``kernels/cpu_stack.cpp``)
+once, and then runs each eligible step there: the ops of
+:meth:`specdec.models.llama.DecoderLayer.forward`, in its order, on its kernels, so every row
+gets the bits the Python path gives it (``tests/models/test_fused.py`` compares them bit for
+bit). What it saves is the Python between the kernels, about a millisecond of a 5 ms int4 decode
+step of the default model (measured: see the README's Benchmarks).
+
+A step is eligible when it holds decodes and verifications only (one group of queries of at
+most ``NARROW_QUERY`` each, attended by the C++ kernel), at most ``SMALL_ROWS`` rows (the float32 row kernel's limit), on a
+model whose every decoder linear runs one of the three kernels: float32 rows, bfloat16 packed in
+pairs (batch-invariant bf16), or quantized. Anything else (prompt chunks, wide batches, oneDNN's
+packed bf16, CUDA) runs the Python layers as before. ``SPECDEC_FUSED_STACK=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from specdec.attention import NARROW_QUERY, AttentionMetadata
+from specdec.kernels import cpu_ops
+from specdec.models.linear import SMALL_ROWS, RowLinear
+from specdec.models.quant import QuantLinear
+
+if TYPE_CHECKING:
+    from specdec.models.llama import LlamaForCausalLM, Rope
+
+FUSED_STACK_ENV = "SPECDEC_FUSED_STACK"  # "0": every step runs the Python layers
+FLOAT_ROWS, PAIRS, QUANT = 0, 1, 2  # cpu_stack.cpp's StackLinear kinds
+
+
+def enabled() -> bool:
+    return os.environ.get(FUSED_STACK_ENV, "1") != "0"
+
+
+class FusedStack:
+    """The C++ decoder stack of one model, rebuilt when the runner hands it other KV tensors."""
+
+    def __init__(self, model: LlamaForCausalLM, kernels: Any, linears: list[list[Any]]):
+        self.model, self.kernels, self.linears = model, kernels, linears
+        self.caches: list[torch.Tensor] = []  # the K/V tensors the stack was built with
+        self.stack: Any = None
+
+    @staticmethod
+    def build(model: LlamaForCausalLM) -> FusedStack | None:
+        """The stack for ``model``, or None where one of its linears has no kernel here."""
+        kernels = cpu_ops.extension()
+        if kernels is None or model.embed_tokens.weight.device.type != "cpu":
+            return None
+        linears = []
+        layers: list[Any] = list(model.layers)
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            parts = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+            converted = [_stack_linear(kernels, m, model.embed_tokens.weight.dtype) for m in parts]
+            if any(c is None for c in converted):
+                return None
+            linears.append(converted)
+        return FusedStack(model, kernels, linears)
+
+    def eligible(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether this step is one the stack runs (see the module docstring)."""
+        if meta.fresh_ranges or len(meta.groups) != 1 or x.shape[0] > SMALL_ROWS:
+            return False
+        if cpu_ops.extension_for(x) is None:  # the layer ops would not take the kernels either
+            return False
+        group = meta.groups[0]
+        return group.block_tables is None and (
+            meta.invariant or group.query_index.shape[1] <= NARROW_QUERY
+        )
+
+    def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
+        """The final hidden states of the step's tokens, embedded as ``x`` [N, hidden]."""
+        stack = self._current()
+        group = meta.groups[0]
+        return stack.forward(
+            x, rope[0], rope[1], meta.slot_mapping, group.query_index, group.key_slots,
+            group.query_lens, group.context_lens, group.valid_index, group.valid_rows, meta.dense,
+        )  # fmt: skip
+
+    def _current(self) -> Any:
+        caches = [t for a in self.model.attention_layers for t in (a.k_cache, a.v_cache)]
+        if self.stack is None or any(a is not b for a, b in zip(caches, self.caches)):
+            self.caches = caches
+            cfg, model, k = self.model.config, self.model, self.kernels
+            decoder_layers: list[Any] = list(model.layers)
+            layers = [
+                k.StackLayer(
+                    layer.input_layernorm.weight,
+                    layer.post_attention_layernorm.weight,
+                    *linears,
+                    layer.self_attn.k_cache,
+                    layer.self_attn.v_cache,
+                )
+                for layer, linears in zip(decoder_layers, self.linears)
+            ]
+            attn = model.attention_layers[0]
+            self.stack = k.DecoderStack(
+                layers, model.norm.weight, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                attn.scale, cfg.rms_norm_eps,
+            )  # fmt: skip
+        return self.stack
+
+
+def _stack_linear(kernels: Any, module: Any, dtype: torch.dtype) -> Any:
+    """``module`` as a StackLinear, or None if it does not run on one of the kernels."""
+    if isinstance(module, QuantLinear):
+        p = module.packed
+        bias = None if module.bias is None else module.bias.to(dtype)  # as its forward casts it
+        return kernels.StackLinear(
+            QUANT, p.codes, p.scales, p.extra, bias, p.bits, p.out_features, p.int8_activations
+        )
+    if isinstance(module, RowLinear):
+        if module.packed is not None:
+            return kernels.StackLinear(
+                PAIRS, module.packed, None, None, module.bias, 0, module.out_features, False
+            )
+        weight = module.weight
+        if weight is not None and weight.dtype == torch.float32:  # the row kernel, <= SMALL_ROWS
+            return kernels.StackLinear(
+                FLOAT_ROWS, weight, None, None, module.bias, 0, module.out_features, False
+            )
+    return None

@@ -1,0 +1,85 @@
+"""The C++ decoder stack (models/fused.py): the Python layers' bits, and only where it applies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.kernels import cpu_ops
+from specdec.models import fused
+from specdec.models.fused import FusedStack
+from specdec.models.linear import can_prepack
+from specdec.models.llama import LlamaForCausalLM
+from specdec.runner import ModelRunner, QueryChunk
+from tests.tiny import tiny_model
+
+pytestmark = pytest.mark.skipif(not cpu_ops.enabled(), reason="no fused CPU kernels")
+BLOCK = 4
+CONFIGS = {  # (arch, dtype, quantization): every kind of linear the stack takes
+    "float32": ("llama", torch.float32, None),
+    "bf16-invariant": ("qwen2", torch.bfloat16, None),  # q/k/v biases
+    "int4": ("llama", torch.float32, "int4"),
+    "w4a8-bf16": ("qwen2", torch.bfloat16, "w4a8"),
+    "w8a8": ("mistral", torch.float32, "w8a8"),
+}
+
+
+def build(arch: str, dtype: torch.dtype, quantization: str | None, **options) -> LlamaForCausalLM:
+    hf = tiny_model(arch, hidden_size=64)
+    state = {k: v.to(dtype) for k, v in hf.state_dict().items()}
+    return LlamaForCausalLM.from_hf(hf.config, state, 256, quantization=quantization, **options)
+
+
+def steps(runner: ModelRunner) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Prompts for three sequences, then steps of decodes and of verifications mixed (padded
+    to the widest query) and alike (dense); each step's logits and final hidden states."""
+    torch.manual_seed(0)
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (13, 30, 7)]
+    tables = [list(range(i * 20, i * 20 + 20)) for i in range(3)]
+    runner.forward([QueryChunk(p, 0, t, 1) for p, t in zip(prompts, tables)])
+    lengths = [len(p) for p in prompts]
+    out = []
+    for queries in ([1, 1, 1], [5, 1, 3], [4, 4, 4], [1], [18, 2, 1]):
+        chunks = []
+        for i, q in enumerate(queries):
+            tokens = torch.randint(0, 256, (q,)).tolist()
+            chunks.append(QueryChunk(tokens, lengths[i], tables[i], q))
+        logits, hidden, _ = runner.forward(chunks)
+        out.append((logits, hidden))
+        lengths = [n + 1 for n in lengths]  # the first query of each is kept
+    return out
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_stack_gives_the_python_layers_bits(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decodes, verifications of one depth (a dense group) and of mixed depths (padded), a lone
+    sequence: the stack's logits and hidden states equal the Python layers' bit for bit."""
+    arch, dtype, quantization = CONFIGS[name]
+    model = build(arch, dtype, quantization)
+    stack = model.fused
+    assert isinstance(stack, FusedStack)
+    calls = []
+    run = stack.forward
+    monkeypatch.setattr(stack, "forward", lambda *a: calls.append(1) or run(*a))
+    fast = steps(ModelRunner(model, 64, BLOCK, dtype))
+    assert len(calls) == 4  # every step but the one with an 18-token query (a group of its own)
+    model.fused = None
+    slow = steps(ModelRunner(model, 64, BLOCK, dtype))
+    for (fast_logits, fast_hidden), (logits, hidden) in zip(fast, slow):
+        assert torch.equal(fast_logits, logits) and torch.equal(fast_hidden, hidden)
+
+
+def test_stack_follows_the_caches_it_is_given() -> None:
+    """A second runner hands the layers other K/V tensors: the stack reads those."""
+    model = build("llama", torch.float32, None)
+    first = steps(ModelRunner(model, 64, BLOCK, torch.float32))
+    second = steps(ModelRunner(model, 64, BLOCK, torch.float32))
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(first, second))
+    assert model.fused is not None and model.fused.caches[0] is model.layers[0].self_attn.k_cache
+
+
+def test_stack_is_left_out_where_a_linear_has_no_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    if can_prepack(torch.bfloat16):  # bf16 without invariance: oneDNN's packed linears
+        assert build("llama", torch.bfloat16, None, batch_invariant=False).fused is None
+    monkeypatch.setenv(fused.FUSED_STACK_ENV, "0")
+    assert build("llama", torch.float32, None).fused is None
