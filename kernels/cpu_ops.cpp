@@ -868,25 +868,9 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   return out;
 }
 
-// cpu_linear.cpp
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
-                     const c10::optional<torch::Tensor>& bias);
-torch::Tensor pack_pairs(const torch::Tensor& weight);
-torch::Tensor linear_pairs(const torch::Tensor& x, const torch::Tensor& packed,
-                           const c10::optional<torch::Tensor>& bias, int64_t out);
-
-// cpu_quant.cpp
-torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& codes,
-                           const torch::Tensor& scales, const c10::optional<torch::Tensor>& extra,
-                           const c10::optional<torch::Tensor>& bias, int64_t bits, int64_t out,
-                           bool int8_activations);
-
 // cpu_sampling.cpp
 torch::Tensor exponential_noise(const torch::Tensor& keys, int64_t vocab);
 torch::Tensor noise_uniforms(const torch::Tensor& keys, int64_t vocab);
-
-// cpu_stack.cpp
-void register_decoder_stack(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "weight * RMSNorm(x), per row");

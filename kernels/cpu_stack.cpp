@@ -13,32 +13,12 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include "cpu_simd.h"
+
 #include <utility>
 #include <vector>
 
-// cpu_ops.cpp
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
-torch::Tensor add_rms_norm_(torch::Tensor& residual, const torch::Tensor& x,
-                            const torch::Tensor& weight, double eps);
-torch::Tensor silu_mul(const torch::Tensor& gate_up);
-void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads,
-           int64_t head_dim);
-void write_kv_(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache,
-               torch::Tensor& v_cache, const torch::Tensor& slot_mapping);
-torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
-                               const torch::Tensor& v_cache, const torch::Tensor& query_index,
-                               const torch::Tensor& key_slots, const torch::Tensor& q_len,
-                               const torch::Tensor& c_len, double scale);
-// cpu_linear.cpp
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
-                     const c10::optional<torch::Tensor>& bias);
-torch::Tensor linear_pairs(const torch::Tensor& x, const torch::Tensor& packed,
-                           const c10::optional<torch::Tensor>& bias, int64_t out);
-// cpu_quant.cpp
-torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& codes,
-                           const torch::Tensor& scales, const c10::optional<torch::Tensor>& extra,
-                           const c10::optional<torch::Tensor>& bias, int64_t bits, int64_t out,
-                           bool int8_activations);
+// The kernels it calls are declared in cpu_simd.h.
 
 namespace {
 
