@@ -6,8 +6,9 @@
 // 3.7 ms once that glue was gone. DecoderStack runs the same ops, in the same order, on the same
 // kernels, with the same arguments as models/llama.py's DecoderLayer.forward does for a step of
 // decodes and verifications (one group of queries, padded or not: see specdec/attention.py), so
-// every row gets the bits the Python path gives it; the tests compare the two bit for bit. Prompt chunks, which the Python path splits into groups and
-// sends through SDPA, and steps of more rows than the float32 row kernel takes, stay in Python.
+// every row gets the bits the Python path gives it; the tests compare the two bit for bit.
+// Prompt chunks, which the Python path splits into groups and sends through SDPA, and steps of
+// more rows than the float32 row kernel takes, stay in Python.
 
 #include <pybind11/stl.h>
 #include <torch/extension.h>
@@ -89,7 +90,8 @@ class DecoderStack {
       }
       torch::Tensor qkv = l.qkv(h);
       rope_(qkv, cos, sin, heads_ + kv_heads_, head_dim_);
-      const auto parts = qkv.view({n, -1, head_dim_}).split_with_sizes({heads_, kv_heads_, kv_heads_}, 1);
+      const auto parts =
+          qkv.view({n, -1, head_dim_}).split_with_sizes({heads_, kv_heads_, kv_heads_}, 1);
       write_kv_(parts[1], parts[2], l.k_cache, l.v_cache, slots);
       torch::Tensor attention = cached_attention(parts[0], l.k_cache, l.v_cache, query_index,
                                                  key_slots, query_lens, context_lens, scale_);
@@ -97,7 +99,8 @@ class DecoderStack {
         const torch::Tensor rows = attention.flatten(0, 1).index_select(0, valid_rows);
         attention = torch::empty_like(parts[0]).index_copy_(0, valid_index, rows);
       }
-      h = add_rms_norm_(residual, l.o(attention.reshape({n, heads_ * head_dim_})), l.post_norm, eps_);
+      const torch::Tensor o = l.o(attention.reshape({n, heads_ * head_dim_}));
+      h = add_rms_norm_(residual, o, l.post_norm, eps_);
       x = l.down(silu_mul(l.gate_up(h)));
     }
     return add_rms_norm_(residual, x, final_norm_, eps_);

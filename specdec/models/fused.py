@@ -11,8 +11,9 @@ step of the default model took 5.3 ms on the Python layers and 3.7 ms on the sta
 A step is eligible when it holds decodes and verifications only (one group of queries of at
 most ``NARROW_QUERY`` each, attended by the C++ kernel), at most ``SMALL_ROWS`` rows (the float32
 row kernel's limit), on a model whose every decoder linear runs one of the three kernels:
-float32 rows, bfloat16 packed in pairs (batch-invariant bf16), or quantized. Anything else (prompt chunks, wide batches, oneDNN's
-packed bf16, CUDA) runs the Python layers as before. ``SPECDEC_FUSED_STACK=0`` turns it off.
+float32 rows, bfloat16 packed in pairs (batch-invariant bf16), or quantized. Anything else
+(prompt chunks, wide batches, oneDNN's packed bf16, CUDA) runs the Python layers as before.
+``SPECDEC_FUSED_STACK=0`` turns it off.
 """
 
 from __future__ import annotations

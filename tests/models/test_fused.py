@@ -70,9 +70,13 @@ def test_stack_gives_the_python_layers_bits(name: str, monkeypatch: pytest.Monke
 
 
 def test_stack_follows_the_caches_it_is_given() -> None:
-    """A second runner hands the layers other K/V tensors: the stack reads those."""
+    """A second runner hands the layers other K/V tensors: the stack reads those (the first
+    runner's are wiped, so a stack still reading them would see zero keys)."""
     model = build("llama", torch.float32, None)
-    first = steps(ModelRunner(model, 64, BLOCK, torch.float32))
+    runner = ModelRunner(model, 64, BLOCK, torch.float32)
+    first = steps(runner)
+    for cache in (*runner.k_caches, *runner.v_caches):
+        cache.zero_()
     second = steps(ModelRunner(model, 64, BLOCK, torch.float32))
     assert all(torch.equal(a[0], b[0]) for a, b in zip(first, second))
     assert model.fused is not None and model.fused.caches[0] is model.layers[0].self_attn.k_cache
