@@ -4,8 +4,9 @@
 // and the dispatcher's working set; each small torch op after a matrix product then costs
 // 5-40 us instead of 1-2. These kernels do in one call what takes torch 2 to 9 calls: RMSNorm
 // (with the residual add before it), SiLU(gate) * up, RoPE on q and k in place, the K/V cache
-// write, and attention to keys read by slot from the paged cache. Linears are in cpu_linear.cpp;
-// the loads and sums both files share are in cpu_simd.h.
+// write, and attention to keys read by slot from the paged cache (bf16 attention on AMX tiles is
+// in cpu_attention.cpp). Linears are in cpu_linear.cpp; the loads and sums the files share are in
+// cpu_simd.h.
 //
 // Every row is computed alone, in an order that does not depend on how many rows a call holds,
 // so results are batch-invariant. Elementwise steps round to the tensor's dtype exactly where
@@ -351,9 +352,8 @@ inline void weigh_values_chunks(int64_t chunks, const T* v_cache, const int64_t*
   }
 }
 
-// Softmax over the first nv scores of a row, in place: the maximum, exp, 16 lane sums added
-// in sum_lanes' tree, then one multiply by the inverse.
-inline float softmax_exp_row(float* sr, int64_t nv);
+// Softmax over the first nv scores of a row, in place: softmax_exp_row (cpu_simd.h), then one
+// multiply by the inverse.
 
 inline void softmax_row(float* sr, int64_t nv) {
   const float inv = softmax_exp_row(sr, nv);
@@ -361,27 +361,6 @@ inline void softmax_row(float* sr, int64_t nv) {
   for (int64_t c = 0; c < nv; c++) sr[c] *= inv;
 }
 
-// The exponentials of softmax_row, in place; returns the inverse of their sum (which softmax_row
-// multiplies in, and the bf16 path multiplies in as it rounds the probabilities).
-inline float softmax_exp_row(float* sr, int64_t nv) {
-  const int64_t full = nv / kLanes * kLanes;
-  const __mmask16 tail = static_cast<__mmask16>((1u << (nv - full)) - 1);
-  __m512 top = _mm512_set1_ps(-__builtin_inff());
-  for (int64_t c = 0; c < full; c += kLanes) top = _mm512_max_ps(top, _mm512_loadu_ps(sr + c));
-  top = _mm512_mask_max_ps(top, tail, top, _mm512_maskz_loadu_ps(tail, sr + full));
-  const float peak = _mm512_reduce_max_ps(top);  // a maximum is exact in any order
-  const __m512 shift = _mm512_set1_ps(peak);
-  __m512 total = _mm512_setzero_ps();
-  for (int64_t c = 0; c < nv; c += kLanes) {  // exp_approx(sr[c] - peak), summed in 16 lanes
-    const __mmask16 mask = tail_mask(nv - c);
-    const __m512 e = exp_approx16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sr + c), shift));
-    _mm512_mask_storeu_ps(sr + c, mask, e);
-    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(mask, e));
-  }
-  float lanes[kLanes];
-  _mm512_storeu_ps(lanes, total);
-  return 1.0f / sum_lanes(lanes);
-}
 
 template <typename T>
 void cached_attention_rows_avx512(const T* q, int64_t q_row_stride, const T* k_cache,
@@ -462,7 +441,8 @@ void cached_attention_rows_avx512(const T* q, int64_t q_row_stride, const T* k_c
 #endif
 
 #if defined(__AVX512BF16__)
-// bfloat16 attention with the scores on vdpbf16ps (head dims that are a multiple of 32). A work
+// bfloat16 attention with the scores on vdpbf16ps (head dims that are a multiple of 32), for CPUs
+// without AMX (with it, cpu_attention.cpp's tiles run instead, with bits of their own). A work
 // item is one sequence, one KV head and a tile of its queries, with the `share` query heads of
 // that KV head as rows of the tile (or, when there are too few items to keep every thread busy,
 // one query head), so that each key is read and rearranged once for all of them. Keys are taken
@@ -474,33 +454,6 @@ void cached_attention_rows_avx512(const T* q, int64_t q_row_stride, const T* k_c
 constexpr int64_t kScoreRows = 4;  // rows whose chains interleave (two chains each)
 constexpr int64_t kMaxPairs = 128;  // head dims up to 256
 constexpr int64_t kValueRows = 6;   // rows per pass over the values: 6 x 4 sums + 4 value pairs
-
-// Transpose 16 rows of 16 32-bit words (r[i] = row i) in place: r[j] = word j of every row.
-inline void transpose16(__m512i* r) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 4; i++) {
-    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xDD);
-    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xDD);
-  }
-  for (int i = 0; i < 4; i++) {
-    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xDD);
-    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
-    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xDD);
-  }
-}
 
 // The scores of R rows against the 16 keys whose pairs are in kt ([pairs][16]), scaled.
 template <int R>
@@ -844,6 +797,14 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 #if defined(__AVX512F__)
     constexpr bool vectorised = std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, BFloat16>;
 #if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<scalar_t, BFloat16>)
+      if (cached_attention_amx(reinterpret_cast<const BFloat16*>(q.data_ptr<scalar_t>()), q.stride(0),
+                               reinterpret_cast<const BFloat16*>(k_cache.data_ptr<scalar_t>()),
+                               reinterpret_cast<const BFloat16*>(v_cache.data_ptr<scalar_t>()), qi,
+                               ks, ql, cl, reinterpret_cast<BFloat16*>(out.data_ptr<scalar_t>()),
+                               groups, width, context, kv_heads, heads / kv_heads, head_dim,
+                               static_cast<float>(scale)))
+        return;
     if constexpr (std::is_same_v<scalar_t, BFloat16>) if (head_dim % 64 == 0 && head_dim <= 2 * kMaxPairs) {
       cached_attention_bf16<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), k_cache.data_ptr<scalar_t>(),
                             v_cache.data_ptr<scalar_t>(), qi, ks, ql, cl,

@@ -8,7 +8,8 @@ spent a third of its time outside its matrix products. ``cpu_ops.cpp`` does in o
 takes torch several (the residual add and RMSNorm as vLLM's ``fused_add_rms_norm``, SiLU and
 the product with ``up``, RoPE on q and k in place, the K/V write into the paged cache), and
 attends decode and verification queries to keys read by slot from the cache, with no gathered
-copy (scores, softmax and sums in float32). Together they made single-stream float32 decode
+copy (scores, softmax and sums in float32; bf16 products on ``vdpbf16ps``, or on AMX tiles in
+``cpu_attention.cpp`` where the CPU has them). Together they made single-stream float32 decode
 about 1.2x faster. Its float32 matrix-vector product serves few-row linears
 (:class:`specdec.models.linear.RowLinear`). ``cpu_sampling.cpp`` draws the sampler's noise
 (:func:`exponential_noise`).
@@ -43,7 +44,14 @@ import torch.nn.functional as F
 
 SOURCES = [
     pathlib.Path(__file__).with_name(n)
-    for n in ("cpu_ops.cpp", "cpu_linear.cpp", "cpu_quant.cpp", "cpu_sampling.cpp", "cpu_stack.cpp")
+    for n in (
+        "cpu_ops.cpp",
+        "cpu_attention.cpp",
+        "cpu_linear.cpp",
+        "cpu_quant.cpp",
+        "cpu_sampling.cpp",
+        "cpu_stack.cpp",
+    )
 ]
 HEADER = pathlib.Path(__file__).with_name("cpu_simd.h")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)

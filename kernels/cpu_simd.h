@@ -145,6 +145,56 @@ inline __m512 round16(__m512 v, const BFloat16*) {
 inline __mmask16 tail_mask(int64_t remaining) {
   return remaining >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << remaining) - 1);
 }
+
+// Softmax of the first nv scores of a row, up to its normalising multiply: the maximum, the
+// exponentials in place, their 16 lane sums added in sum_lanes' tree; returns the inverse of the
+// sum, which the caller multiplies in (the bf16 paths as they round the probabilities).
+inline float softmax_exp_row(float* sr, int64_t nv) {
+  const int64_t full = nv / kLanes * kLanes;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (nv - full)) - 1);
+  __m512 top = _mm512_set1_ps(-__builtin_inff());
+  for (int64_t c = 0; c < full; c += kLanes) top = _mm512_max_ps(top, _mm512_loadu_ps(sr + c));
+  top = _mm512_mask_max_ps(top, tail, top, _mm512_maskz_loadu_ps(tail, sr + full));
+  const float peak = _mm512_reduce_max_ps(top);  // a maximum is exact in any order
+  const __m512 shift = _mm512_set1_ps(peak);
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t c = 0; c < nv; c += kLanes) {  // exp_approx(sr[c] - peak), summed in 16 lanes
+    const __mmask16 mask = tail_mask(nv - c);
+    const __m512 e = exp_approx16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sr + c), shift));
+    _mm512_mask_storeu_ps(sr + c, mask, e);
+    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(mask, e));
+  }
+  float lanes[kLanes];
+  _mm512_storeu_ps(lanes, total);
+  return 1.0f / sum_lanes(lanes);
+}
+
+// Transpose 16 rows of 16 32-bit words (r[i] = row i) in place: r[j] = word j of every row.
+inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; i++) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 4; i++) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xDD);
+    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xDD);
+  }
+}
 #endif
 
 #if defined(__AMX_TILE__)
@@ -182,6 +232,13 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k_ca
                                const torch::Tensor& v_cache, const torch::Tensor& query_index,
                                const torch::Tensor& key_slots, const torch::Tensor& q_len,
                                const torch::Tensor& c_len, double scale);
+// cpu_attention.cpp: cached_attention for bf16 on AMX tiles; false (nothing done) where the build
+// or the CPU has no AMX-BF16 or the head dim is not a multiple of 64
+bool cached_attention_amx(const at::BFloat16* q, int64_t q_row_stride, const at::BFloat16* k_cache,
+                          const at::BFloat16* v_cache, const int64_t* query_index,
+                          const int64_t* key_slots, const int64_t* q_len, const int64_t* c_len,
+                          at::BFloat16* out, int64_t groups, int64_t width, int64_t context,
+                          int64_t kv_heads, int64_t share, int64_t head_dim, float scale);
 // cpu_linear.cpp
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
                      const c10::optional<torch::Tensor>& bias);

@@ -253,6 +253,57 @@ def test_cached_attention_rows_do_not_depend_on_how_the_work_is_cut(dtype: torch
 
 
 @needs_kernels
+@pytest.mark.parametrize("block", [16, 32, 8, 4])
+def test_bf16_attention_of_a_long_prompt_is_the_same_in_every_step_shape(block: int) -> None:
+    """A 700-token sequence's rows (bf16, the AMX tiles where the CPU has them): the whole prompt
+    as one chunk, chunks of other lengths, verifications and lone decodes give every position the
+    same bits, close to torch's attention. Block tables out of order: with blocks of 8 or 4,
+    16 keys are rarely in consecutive slots (copied), with 16 or 32 always (read in place)."""
+    _check_long_prompt(ext(), block)
+
+
+@pytest.mark.skipif(os.environ.get("SPECDEC_SLOW_TESTS") != "1", reason="SPECDEC_SLOW_TESTS=1")
+@needs_kernels
+def test_bf16_attention_without_amx_is_the_same_in_every_step_shape() -> None:
+    """The vdpbf16ps kernel, what CPUs with AVX512-BF16 but no AMX run, compiled here."""
+    kernels = cpu_ops._build(
+        ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"), "specdec_cpu_ops_no_amx"
+    )
+    for block in (16, 4):
+        _check_long_prompt(kernels, block)
+
+
+def _check_long_prompt(kernels, block: int) -> None:  # noqa: ANN001
+    torch.manual_seed(6)
+    heads, kv_heads, head_dim, n = 9, 3, 64, 700
+    blocks = -(-n // block)
+    table = torch.randperm(blocks + 5)[:blocks].tolist()
+    k_cache, v_cache = (
+        torch.randn(blocks + 5, block, kv_heads, head_dim).mul(2.0).to(torch.bfloat16) for _ in "kv"
+    )
+    q = torch.randn(n, heads, head_dim).mul(2.0).to(torch.bfloat16)
+
+    def attend(first: int, last: int) -> torch.Tensor:
+        """The queries at positions first .. last - 1, as one chunk whose keys end at ``last``."""
+        group = QueryGroup.build([last - first], [last], [table], [0], block, invariant=True)
+        return kernels.cached_attention(q[first:last], k_cache, v_cache, group.query_index,
+                                        group.key_slots, group.query_lens, group.context_lens,
+                                        0.125)[0]  # fmt: skip
+
+    whole = attend(0, n)
+    for first, last in [(0, 37), (37, 300), (300, 301), (301, 310), (310, 700), (650, 659)]:
+        assert torch.equal(attend(first, last), whole[first:last]), (first, last)
+    for position in [0, 1, 15, 16, 17, 31, 32, 33, 63, 64, 255, 256, 511, 699]:
+        assert torch.equal(attend(position, position + 1)[0], whole[position]), position
+    keys = k_cache[table].flatten(0, 1)[:n].transpose(0, 1).float()  # [Hkv, n, D]
+    values = v_cache[table].flatten(0, 1)[:n].transpose(0, 1).float()
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(0, 1), keys, values, is_causal=True, scale=0.125, enable_gqa=True
+    ).transpose(0, 1)
+    torch.testing.assert_close(whole.float(), reference, rtol=2e-2, atol=2e-2)
+
+
+@needs_kernels
 def test_cached_attention_rejects_bad_indices() -> None:
     q = torch.randn(2, 4, 16)
     cache = torch.zeros(8, 4, 2, 16)
