@@ -10,10 +10,13 @@ attending to its own keys and values of rows ``0 .. p``, then a norm: the result
 ``f[p]``, and the target's output rows over the reduced vocabulary (drafters/heads.py) turn it
 into a guess of ``x[p + 1]``.
 
-Each step, after verification, the head *catches up*: for every scheduled sequence it runs the
-rows of the positions the target computed and kept this step (prompt chunks included), all
-sequences in one forward, with the real features. Its last row is at the sequence's newest
-token, so its output is the first draft. Drafting goes on autoregressively, ``k - 1`` more rows
+Each step, after verification, the head queues, for every scheduled sequence, the rows of the
+positions the target computed and kept this step (prompt chunks included), with their real
+features. Before it drafts for a sequence it *catches up*: it runs that sequence's queued rows,
+all drafting sequences in one forward. Its last row is at the sequence's newest token, so its
+output is the first draft. A sequence the policy gives no drafts (a busy engine, a sequence
+whose drafts keep failing) costs the head nothing until it drafts again: the queue is its
+``catch_up_tokens``, which the policy prices, as it prices a draft model's (drafters/policy.py). Drafting goes on autoregressively, ``k - 1`` more rows
 of one token each, fed the head's own output feature in place of the target's. Draft rows lie
 past the target's computed positions, so the next catch-up overwrites them: rollback is, as
 for the target, nothing but bookkeeping.
@@ -140,6 +143,8 @@ class EagleDrafter(DrafterBase):
         )
         self.written: dict[int, int] = {}  # seq_id -> position of the last row with real inputs
         self.last_feature: dict[int, torch.Tensor] = {}  # seq_id -> [H] that row's output
+        # seq_id -> (first row, the features before rows first, first + 1, ...): queued rows
+        self.queued: dict[int, tuple[int, list[torch.Tensor]]] = {}
         self.draft_forward = self._timing_forward
 
     @classmethod
@@ -152,12 +157,22 @@ class EagleDrafter(DrafterBase):
     def forget(self, seq: Sequence) -> None:
         self.written.pop(seq.seq_id, None)
         self.last_feature.pop(seq.seq_id, None)
+        self.queued.pop(seq.seq_id, None)
+
+    def catch_up_tokens(self, seq: Sequence) -> int:
+        """The rows the head must run for ``seq`` before it drafts: every position since its last
+        row; 1 for a sequence it has never run (its prompt is a one-time cost, as for a draft
+        model: priced in one step, it would keep the head off long prompts for good)."""
+        if seq.seq_id not in self.written:
+            return 1
+        return max(1, seq.num_tokens - 1 - self.written[seq.seq_id])
 
     def propose(
         self, seqs: list[Sequence], num_drafts: list[int], step: FinishedStep | None = None
     ) -> None:
         if step is not None:
-            self._catch_up(step)
+            self._queue(step)
+        self._catch_up([seq for seq, k in zip(seqs, num_drafts) if k])
         drafting, ks = [], []
         for seq, k in zip(seqs, num_drafts):
             seq.spec_token_ids = []
@@ -171,10 +186,8 @@ class EagleDrafter(DrafterBase):
         if drafting:
             self._draft(drafting, ks)
 
-    @torch.inference_mode()
-    def _catch_up(self, step: FinishedStep) -> None:
-        """Run the head's rows for every position the target computed and kept this step."""
-        chunks: list[tuple[Sequence, int, torch.Tensor]] = []  # (seq, first row, features)
+    def _queue(self, step: FinishedStep) -> None:
+        """Queue the head's rows for every position the target computed and kept this step."""
         hidden = step.result.token_hidden_states
         assert hidden is not None, "the runner must keep token hidden states for EAGLE"
         offset = 0
@@ -184,17 +197,33 @@ class EagleDrafter(DrafterBase):
             kept = seq.num_computed_tokens - start  # positions start .. start + kept - 1
             if seq.is_finished or kept <= 0:
                 continue
-            features = rows[:kept]  # f[start] .. f[start + kept - 1], for rows start + 1 ..
-            first = start + 1
-            if self.written.get(seq.seq_id) != start:  # no row at `start` yet: zero feature
-                features = torch.cat([features.new_zeros(1, features.shape[1]), features])
-                first = start
-            last = start + kept  # the row of the newest computed-by-target token's successor
-            covered = self.scheduler.reserve_lookahead(seq, last + 1)
-            if covered <= last:  # no KV block for the last row: leave it for the next step
-                features, last = features[: covered - first], covered - 1
-            if last >= first:
-                chunks.append((seq, first, features))
+            features = rows[:kept].clone()  # f[start] .. f[start + kept - 1], for rows start + 1 ..
+            first, queue = self.queued.get(seq.seq_id, (0, []))
+            end = first + sum(len(f) for f in queue) - 1 if queue else self.written.get(seq.seq_id)
+            if end == start:  # the rows continue the head's (queued or run)
+                first, queue = (first, queue) if queue else (start + 1, [])
+                self.queued[seq.seq_id] = (first, [*queue, features])
+            else:  # no row at `start` yet: one with a zero feature (see the module docstring)
+                zero = features.new_zeros(1, features.shape[1])
+                self.queued[seq.seq_id] = (start, [zero, features])
+
+    @torch.inference_mode()
+    def _catch_up(self, seqs: list[Sequence]) -> None:
+        """Run the queued rows of ``seqs``, in one forward."""
+        chunks: list[tuple[Sequence, int, torch.Tensor]] = []  # (seq, first row, features)
+        for seq in seqs:
+            first, queue = self.queued.pop(seq.seq_id, (0, []))
+            if not queue:
+                continue
+            features = torch.cat(queue) if len(queue) > 1 else queue[0]
+            last = first + len(features) - 1  # the newest token's row
+            covered = self.scheduler.reserve_lookahead(seq, last + 1)  # rows with a KV slot
+            if covered <= last:  # none for the newest token's row yet: it waits for a later step
+                self.queued[seq.seq_id] = (covered, [features[covered - first :]])
+                features = features[: covered - first]
+                if not len(features):
+                    continue
+            chunks.append((seq, first, features))
         if not chunks:
             return
         tokens = [seq.token_ids[first : first + len(f)] for seq, first, f in chunks]

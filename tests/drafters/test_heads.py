@@ -167,6 +167,38 @@ def test_eagle_is_exact_with_chunked_prefill_prefix_hits_and_preemption(make_llm
     assert sum(o.metrics.num_preemptions for o in outputs) > 0
 
 
+def test_eagle_runs_nothing_while_it_drafts_nothing_then_catches_up(make_llm, trained):
+    """A sequence the policy gives no drafts (a busy engine) costs the head no forward: its
+    rows wait, counted as its catch-up tokens, and run in one forward when it drafts again."""
+    plain = make_llm()
+    prompt = PROMPTS[0]
+    reference = plain.generate([prompt], GREEDY)[0].token_ids
+    spec = make_llm(speculative=SpecConfig("eagle", 4, adaptive=False, heads=trained["eagle"]))
+    drafter, policy = spec.engine.drafter, spec.engine.policy
+    forwards: list[int] = []  # rows per head forward
+    run = drafter._forward
+    drafter._forward = lambda rows, features: forwards.append(len(features)) or run(rows, features)
+    steps, backlog = [0], []
+    given = policy.num_drafts
+
+    def num_drafts(seqs, *args):
+        steps[0] += 1
+        if steps[0] <= 6:  # no drafts for six steps: the prompt, then five decodes
+            first, queue = drafter.queued.get(seqs[0].seq_id, (0, []))
+            backlog.append((first, sum(len(f) for f in queue)))
+            assert drafter.catch_up_tokens(seqs[0]) == 1  # never run: its prompt is not priced
+            return [0] * len(seqs)
+        return given(seqs, *args)
+
+    policy.num_drafts = num_drafts
+    assert spec.generate([prompt], GREEDY)[0].token_ids == reference
+    n = len(prompt)  # rows 0 .. the newest token, queued from the step before
+    assert backlog == [(0, 0)] + [(0, n + i) for i in range(1, 6)]
+    assert forwards[0] == n + 7  # the first forward, at the 7th step: every row so far
+    assert spec.engine.verifier.stats.num_accepted_tokens > 0
+    assert not drafter.queued and not drafter.written  # forgotten when finished
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_sampled_continuations_follow_the_plain_law(make_llm, trained, kind):
     """Two-sample chi-square on 4 sampled tokens, with and without the heads drafting."""
