@@ -14,8 +14,12 @@ Two facts decide whether a draft is worth verifying:
   :class:`StepCostModel` times forwards of the real model at start-up, then keeps learning from
   the engine's own decode and verification steps, so it prices the batches that actually run.
   A draft model adds one of its own forwards per draft depth (``d`` drafts take ``d`` sequential
-  draft forwards), timed at start-up; the first also feeds the tokens its cache missed while it
-  was not drafting (``catch_up_tokens``), priced at that many tokens.
+  draft forwards), timed at start-up and then learnt from the engine's own proposals (as the
+  target's steps are: a start-up forward sees a short context, while a draft model's forwards
+  over 32 sequences of 400 tokens each spend most of their time in attention, and priced at
+  the start-up figure they looked worth running where they cost more than they saved); the
+  first also feeds the tokens its cache missed while it was not drafting (``catch_up_tokens``),
+  priced at that many tokens.
 
 The policy picks the depth ``d`` that maximises the expected tokens per second
 ``E(d) / t(B * (d + 1))``, where ``E(d)`` sums ``1 + a + a**2 + ...`` over each sequence's
@@ -159,6 +163,7 @@ class AdaptivePolicy:
         self.class_acceptance: dict[int, float] = {}  # class -> moving average over sequences
         self.tested: dict[int, int] = {}  # seq_id -> class it verified drafts of, last step
         self.last_class: dict[int, int] = {}  # seq_id -> class of its latest drafts
+        self.pending = 0  # catch-up tokens of the latest allocation's drafting sequences
 
     def num_drafts(
         self,
@@ -187,6 +192,7 @@ class AdaptivePolicy:
             rates = [self._rate(s, c, tested.get(s.seq_id) == c) for s, c in zip(seqs, classes)]
             pending = sum(backlog(s) for s, k in zip(seqs, limits) if k) if backlog else 0
             ks = self._allocate(rates, limits, pending)
+            self.pending = sum(backlog(s) for s, k in zip(seqs, ks) if k) if backlog else 0
         for seq, k, c in zip(seqs, ks, classes):
             if k:
                 self.last_class[seq.seq_id] = c
@@ -214,6 +220,16 @@ class AdaptivePolicy:
         """Learn the step cost from a real decode/verify step (forward plus verification)."""
         if self.cost is not None:
             self.cost.observe(padded_tokens, seconds)
+
+    def observe_drafting(self, num_drafts: list[int], seconds: float) -> None:
+        """Learn the draft cost from a real proposal: the drafter gave ``num_drafts`` drafts to
+        the sequences of the latest allocation in ``seconds`` (forwards, catch-up, sampling)."""
+        batch, depth = sum(1 for k in num_drafts if k), max(num_drafts, default=0)
+        if self.draft_cost is None or not depth:
+            return
+        forwards = 1 if self.drafts_in_one_pass else depth
+        catch_up = self.draft_cost(max(batch, self.pending)) - self.draft_cost(batch)
+        self.draft_cost.observe(batch, max(seconds - catch_up, 0.0) / forwards)
 
     def _step_time(self, depth: int, batch: int, pending: int = 0) -> float:
         """A target forward of ``batch`` sequences padded to ``depth`` drafts each, plus ``depth``

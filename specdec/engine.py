@@ -142,7 +142,9 @@ class Engine:
         ks = policy.num_drafts(
             running, self.max_model_len, drafter.draft_class, drafter.catch_up_tokens
         )
+        start = time.perf_counter()
         drafter.propose(running, ks, step)
+        policy.observe_drafting(ks, time.perf_counter() - start)
 
     def _delta(self, seq: Sequence, logits: torch.Tensor | None = None) -> RequestOutput:
         """The text and tokens ``seq`` gained since its previous delta; ``logits``: the rows

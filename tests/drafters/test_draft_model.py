@@ -3,6 +3,7 @@
 import pytest
 
 from specdec import LLM, SamplingParams
+from specdec.drafters.policy import StepCostModel
 from specdec.sequence import Sequence
 from tests.tiny import byte_tokenizer, hf_greedy, tiny_model
 
@@ -58,11 +59,18 @@ def test_weak_draft_keeps_greedy_output_with_preemption_and_prefix_cache(make_ll
 
 
 def test_adaptive_draft_model_stays_exact(make_llm):
+    """The draft model is the target itself, so drafting never pays; a start-up curve that says
+    draft forwards are free makes the policy draft until the proposals it times teach it."""
     base = make_llm()
     llm = make_llm(speculative=spec(base.hf_model, k=6, adaptive=True))
+    llm.engine.policy.draft_cost = StepCostModel([(1, 1e-6), (64, 1e-6)])
     outputs = llm.generate(PROMPTS, GREEDY)
     for prompt, out in zip(PROMPTS, outputs):
         assert out.token_ids == hf_greedy(llm.hf_model, prompt, GREEDY.max_tokens)
+    draft_cost = llm.engine.policy.draft_cost
+    assert llm.engine.verifier.stats.num_draft_tokens > 0
+    assert draft_cost is not None and draft_cost.num_observed > 0  # timed real proposals
+    assert max(draft_cost.times) > 1e-5  # and learnt from them
 
 
 def test_vocabulary_mismatch_is_a_clear_error():

@@ -132,6 +132,35 @@ def test_learned_costs_turn_drafting_off_in_a_busy_batch():
     assert policy.num_drafts(seqs, 1000) == [0] * 32
 
 
+def test_learned_draft_costs_turn_an_expensive_draft_model_off():
+    """Timed at start-up on a short context, a draft forward over 32 sequences looks cheap; the
+    proposals the engine times say it costs twice a target step (attention over their long
+    contexts), and drafting stops."""
+    policy = AdaptivePolicy(
+        max_drafts=4, cost=FLAT, draft_cost=StepCostModel([(1, 0.01), (32, 0.05)])
+    )
+    seqs = [decoding_seq(i) for i in range(32)]
+    assert sum(policy.num_drafts(seqs, 1000)) > 0
+    for _ in range(10):
+        ks = policy.num_drafts(seqs, 1000)
+        policy.observe_drafting(ks, seconds=max(ks) * 2.0)  # each draft forward: 2 s
+    assert policy.num_drafts(seqs, 1000) == [0] * 32
+    assert policy.draft_cost is not None and policy.draft_cost(32) > 0.5  # learnt, then stopped
+
+
+def test_catch_up_is_not_taken_for_the_draft_forward_cost():
+    """A proposal whose first forward fed 300 catch-up tokens per sequence teaches the cost of
+    the others, not that every forward costs as much as a catch-up."""
+    draft_cost = StepCostModel([(1, 0.01), (512, 5.12)])
+    policy = AdaptivePolicy(max_drafts=4, cost=FLAT, draft_cost=draft_cost)
+    seq = decoding_seq(0)
+    assert policy.num_drafts([seq], 1000, backlog=lambda s: 30) == [4]
+    for _ in range(5):  # 30 tokens of catch-up (0.30 s), then 4 forwards of one token
+        policy.num_drafts([seq], 1000, backlog=lambda s: 30)
+        policy.observe_drafting([4], seconds=draft_cost(30) + 3 * 0.01)
+    assert draft_cost(1) == pytest.approx(0.01, rel=0.05)
+
+
 def test_acceptance_is_kept_per_draft_class_and_class_zero_gets_nothing():
     classes = {0: 4, 1: 1, 2: 0}  # seq 0 matched a 4-gram, seq 1 a 1-gram, seq 2 nothing
     policy = AdaptivePolicy(
