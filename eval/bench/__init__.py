@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from specdec.eval.bench import report
@@ -155,6 +156,10 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
 
         batch, k, vocab = cfg.kernel_shape
         result["kernels"] = run_kernels(batch, k, vocab, repeats=3 if cfg.quick else 20)
+        if not torch.cuda.is_available():  # the engine's attention on the CPU
+            from specdec.eval.bench.attention import run_attention
+
+            result["attention"] = run_attention(repeats=2 if cfg.quick else 5, quick=cfg.quick)
     if "wrap" in cfg.modes:
         from specdec.eval.bench.wrap import run_wrap
 

@@ -154,6 +154,10 @@ def markdown(result: dict[str, Any]) -> str:
         from specdec.eval.bench.kernels import markdown as kernels_markdown
 
         parts += ["## Verification kernel\n", kernels_markdown(result["kernels"])]
+    if "attention" in result:
+        from specdec.eval.bench.attention import markdown as attention_markdown
+
+        parts += ["## CPU attention kernels\n", attention_markdown(result["attention"])]
     if "wrap" in result:
         from specdec.eval.bench.wrap import markdown as wrap_markdown
 

@@ -17,6 +17,7 @@ from specdec.eval.bench.recommend import recommend
 from specdec.eval.bench.report import offline_markdown
 from specdec.eval.bench.systems import PLAIN, EngineSystem
 from specdec.eval.questions import CATEGORIES, DEFAULT_DATASET, by_category, read_questions
+from specdec.kernels import cpu_ops
 from tests.tiny import byte_tokenizer, tiny_model
 
 RECORDS = [  # Spec-Bench's own shape: extra fields, a category we do not ship, two turns
@@ -116,6 +117,11 @@ def test_a_tiny_model_run_writes_the_json_markdown_and_plots(tmp_path):
             assert p["latency_p50_ms"] <= p["latency_p99_ms"]
     assert "prompt_lookup" in load["break_even"]
     assert saved["kernels"]["torch_ms"] > 0
+    if cpu_ops.enabled():  # the CPU attention kernels beside the torch path
+        rows = saved["attention"]["rows"]
+        assert {r["dtype"] for r in rows} == {"bfloat16", "float32"}
+        assert all(r["kernel_ms"] > 0 and r["torch_ms"] > 0 and r["speedup"] > 0 for r in rows)
+        assert "## CPU attention kernels" in (out / "bench.md").read_text()
     assert saved["recommendation"]["reason"]
     report = (out / "bench.md").read_text()
     assert "## Offline, single stream" in report and "## Under load" in report
