@@ -16,10 +16,10 @@ features. Before it drafts for a sequence it *catches up*: it runs that sequence
 all drafting sequences in one forward. Its last row is at the sequence's newest token, so its
 output is the first draft. A sequence the policy gives no drafts (a busy engine, a sequence
 whose drafts keep failing) costs the head nothing until it drafts again: the queue is its
-``catch_up_tokens``, which the policy prices, as it prices a draft model's (drafters/policy.py). Drafting goes on autoregressively, ``k - 1`` more rows
-of one token each, fed the head's own output feature in place of the target's. Draft rows lie
-past the target's computed positions, so the next catch-up overwrites them: rollback is, as
-for the target, nothing but bookkeeping.
+``catch_up_tokens``, which the policy prices as it prices a draft model's (drafters/policy.py).
+Drafting goes on autoregressively, ``k - 1`` more rows of one token each, fed the head's own
+output feature in place of the target's. Draft rows lie past the target's computed positions, so
+the next catch-up overwrites them: rollback is, as for the target, nothing but bookkeeping.
 
 The head's K/V tensors are its own, indexed by the engine's block ids, so one block table per
 sequence serves both (as for a draft model, drafters/draft_model.py). A sequence the head has

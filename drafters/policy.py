@@ -190,9 +190,9 @@ class AdaptivePolicy:
                 drift = CLASS_RECOVERY * (self.prior_acceptance - self.class_acceptance[c])
                 self.class_acceptance[c] += drift
             rates = [self._rate(s, c, tested.get(s.seq_id) == c) for s, c in zip(seqs, classes)]
-            pending = sum(backlog(s) for s, k in zip(seqs, limits) if k) if backlog else 0
-            ks = self._allocate(rates, limits, pending)
-            self.pending = sum(backlog(s) for s, k in zip(seqs, ks) if k) if backlog else 0
+            backlogs = [backlog(s) if backlog and k else 0 for s, k in zip(seqs, limits)]
+            ks = self._allocate(rates, limits, sum(backlogs))
+            self.pending = sum(b for b, k in zip(backlogs, ks) if k)
         for seq, k, c in zip(seqs, ks, classes):
             if k:
                 self.last_class[seq.seq_id] = c

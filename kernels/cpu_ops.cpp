@@ -354,13 +354,11 @@ inline void weigh_values_chunks(int64_t chunks, const T* v_cache, const int64_t*
 
 // Softmax over the first nv scores of a row, in place: softmax_exp_row (cpu_simd.h), then one
 // multiply by the inverse.
-
 inline void softmax_row(float* sr, int64_t nv) {
   const float inv = softmax_exp_row(sr, nv);
 #pragma omp simd
   for (int64_t c = 0; c < nv; c++) sr[c] *= inv;
 }
-
 
 template <typename T>
 void cached_attention_rows_avx512(const T* q, int64_t q_row_stride, const T* k_cache,
@@ -519,6 +517,9 @@ void cached_attention_bf16(const T* q, int64_t q_row_stride, const T* k_cache, c
                            const int64_t* q_len, const int64_t* c_len, T* out, int64_t groups, int64_t width, int64_t context,
                            int64_t kv_heads, int64_t share, int64_t head_dim, float scale) {
   static_assert(std::is_same_v<T, BFloat16>, "bfloat16 only");
+  if (cached_attention_amx(q, q_row_stride, k_cache, v_cache, query_index, key_slots, q_len, c_len,
+                           out, groups, width, context, kv_heads, share, head_dim, scale))
+    return;  // AMX tiles, where the CPU has them (cpu_attention.cpp)
   const int64_t tiles = (width + kQueryTile - 1) / kQueryTile;
   const int64_t heads = kv_heads * share, pairs = head_dim / 2;
   // An item is a tile of one sequence's queries with every head, so that each cached key slot
@@ -797,14 +798,6 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 #if defined(__AVX512F__)
     constexpr bool vectorised = std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, BFloat16>;
 #if defined(__AVX512BF16__)
-    if constexpr (std::is_same_v<scalar_t, BFloat16>)
-      if (cached_attention_amx(reinterpret_cast<const BFloat16*>(q.data_ptr<scalar_t>()), q.stride(0),
-                               reinterpret_cast<const BFloat16*>(k_cache.data_ptr<scalar_t>()),
-                               reinterpret_cast<const BFloat16*>(v_cache.data_ptr<scalar_t>()), qi,
-                               ks, ql, cl, reinterpret_cast<BFloat16*>(out.data_ptr<scalar_t>()),
-                               groups, width, context, kv_heads, heads / kv_heads, head_dim,
-                               static_cast<float>(scale)))
-        return;
     if constexpr (std::is_same_v<scalar_t, BFloat16>) if (head_dim % 64 == 0 && head_dim <= 2 * kMaxPairs) {
       cached_attention_bf16<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), k_cache.data_ptr<scalar_t>(),
                             v_cache.data_ptr<scalar_t>(), qi, ks, ql, cl,
