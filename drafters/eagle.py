@@ -110,7 +110,8 @@ class EagleHead(nn.Module):
 
 
 def _rms(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
+    # the weight in the input's dtype: under bf16 autocast, the fused kernel needs them equal
+    return F.rms_norm(x, norm.weight.shape, norm.weight.to(x.dtype), norm.eps)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

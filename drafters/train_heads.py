@@ -70,6 +70,9 @@ class TrainConfig:
     save_every: int = 250
     held_out: int = 16  # sequences kept out of training, for the accuracy log
     seed: int = 0
+    # "bf16": the heads' matmuls under bfloat16 autocast (weights and optimizer stay float32);
+    # "auto": bf16 where the hardware multiplies bf16 natively (CUDA, or AMX / AVX512-BF16)
+    mixed_precision: str = "auto"  # "auto", "bf16" or "no"
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -79,6 +82,19 @@ class TrainConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not Path(self.data).is_file():
             raise ValueError(f"no training prompts at {self.data}")
+        if self.mixed_precision not in ("auto", "bf16", "no"):
+            raise ValueError(
+                f"mixed_precision must be 'auto', 'bf16' or 'no', got {self.mixed_precision!r}"
+            )
+
+    def precision(self) -> str:
+        """What ``mixed_precision`` means on this machine: "bf16" or "no"."""
+        if self.mixed_precision != "auto":
+            return self.mixed_precision
+        if torch.cuda.is_available():
+            return "bf16" if torch.cuda.is_bf16_supported() else "no"
+        native = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+        return "bf16" if native else "no"
 
 
 def read_prompts(path: str | os.PathLike) -> list[list[dict[str, str]]]:
@@ -305,7 +321,7 @@ def train(cfg: TrainConfig, llm: Any = None) -> Path:
     held_features, held_greedy = target_features(llm, held_out)
     counts = torch.bincount(torch.cat(greedy), minlength=target.config.vocab_size)
     trainer = HeadsTrainer(cfg, target, draft_vocabulary(counts, cfg.draft_vocab_size))
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.precision())
     optimizer = torch.optim.AdamW(trainer.module.parameters(), lr=cfg.lr, weight_decay=0.0)
     step = resume(out / "checkpoints", trainer.module, optimizer)
     module, optimizer = accelerator.prepare(trainer.module, optimizer)
@@ -329,7 +345,8 @@ def train(cfg: TrainConfig, llm: Any = None) -> Path:
         )
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss, hits = trainer.losses(*_pad(train_set, features, greedy, schedule[step]))
+        with accelerator.autocast():
+            loss, hits = trainer.losses(*_pad(train_set, features, greedy, schedule[step]))
         optimizer.zero_grad()
         accelerator.backward(loss)
         accelerator.clip_grad_norm_(module.parameters(), 1.0)

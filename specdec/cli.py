@@ -133,6 +133,13 @@ def spec_summary(llm: Any) -> str:
 @click.option("--draft-vocab-size", default=8192, show_default=True, type=int)
 @click.option("--num-heads", default=4, show_default=True, type=int, help="medusa's heads.")
 @click.option("--save-every", default=250, show_default=True, type=int)
+@click.option(
+    "--mixed-precision",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "bf16", "no"]),
+    help="bf16 autocast for the heads' matmuls (auto: where the CPU or GPU has bf16 units).",
+)
 def train_heads(data: str | None, **options: Any) -> None:
     """Train EAGLE or Medusa heads for a target, on its own answers to our training prompts;
     a rerun with the same --out resumes from the latest checkpoint."""

@@ -257,3 +257,9 @@ def test_the_runner_keeps_every_token_hidden_state_only_when_asked(make_llm, tra
     assert all(h is not None for h in seen["eagle"])
     assert seen["eagle"][0].shape == (len(PROMPTS[0]), 64)  # the prefill: every prompt token
     assert all(h is None for h in seen["medusa"] + seen["prompt_lookup"])
+
+
+def test_a_bad_mixed_precision_is_refused(prompts_file, tmp_path):
+    with pytest.raises(ValueError, match="mixed_precision must be 'auto', 'bf16' or 'no'"):
+        tiny_config("eagle", tmp_path, prompts_file, mixed_precision="fp8")
+    assert tiny_config("eagle", tmp_path, prompts_file, mixed_precision="no").precision() == "no"
