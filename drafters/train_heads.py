@@ -302,6 +302,7 @@ def train(cfg: TrainConfig, llm: Any = None) -> Path:
     """Train heads as ``cfg`` says (resuming from ``cfg.out``'s latest checkpoint); return the
     heads directory. ``llm``: the target, already loaded (default: ``LLM(cfg.model)``)."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
     from tqdm import tqdm
 
     from specdec.llm import LLM
@@ -321,6 +322,7 @@ def train(cfg: TrainConfig, llm: Any = None) -> Path:
     held_features, held_greedy = target_features(llm, held_out)
     counts = torch.bincount(torch.cat(greedy), minlength=target.config.vocab_size)
     trainer = HeadsTrainer(cfg, target, draft_vocabulary(counts, cfg.draft_vocab_size))
+    AcceleratorState._reset_state(True)  # one per process: a second run may pick another precision
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.precision())
     optimizer = torch.optim.AdamW(trainer.module.parameters(), lr=cfg.lr, weight_decay=0.0)
     step = resume(out / "checkpoints", trainer.module, optimizer)
