@@ -220,9 +220,11 @@ def test_cached_attention_matches_sdpa_and_is_row_invariant(
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cached_attention_rows_do_not_depend_on_how_the_work_is_cut(dtype: torch.dtype) -> None:
-    """The kernel cuts a call into work items by how much it holds: one query head per item for
-    a lone decode, one KV head for a few sequences, whole sequences (every head) for many, and
-    tiles of 16 queries zig-zagged over a long chunk. A query's output must not notice."""
+    """The kernel cuts a call into work items by how much it holds and how many threads share
+    it: one query head per item for a lone decode, one KV head for a few sequences, whole
+    sequences (every head) for many, tiles of 16 queries zig-zagged over a long chunk, and (the
+    float32 path) a KV head's query heads split where two threads' runs meet. A query's output
+    must not notice."""
     torch.manual_seed(5)
     heads, kv_heads, head_dim, block = 9, 3, 64, 16
     lengths = [200, *torch.randint(30, 150, (19,)).tolist()]
@@ -250,6 +252,14 @@ def test_cached_attention_rows_do_not_depend_on_how_the_work_is_cut(dtype: torch
     assert torch.equal(alone, attend([1] * 20, list(range(20))))  # whole sequences
     assert torch.equal(alone, attend([9, 1, 1], [0, 1, 2]))  # the last of a verification
     assert torch.equal(alone, attend([150], [0]))  # the last of a chunk of 10 tiles
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 4, 5):
+            torch.set_num_threads(count)
+            assert torch.equal(alone, attend([1], [0])), count
+            assert torch.equal(alone, attend([9, 1, 1], [0, 1, 2])), count
+    finally:
+        torch.set_num_threads(threads)
 
 
 @needs_kernels
