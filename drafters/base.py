@@ -57,6 +57,10 @@ class Drafter(Protocol):
         """Tokens the drafter must feed through its own model before it can draft for ``seq``
         (0 for a drafter without one); the policy prices them (drafters/policy.py)."""
 
+    # Optional: ``runs_model(draft_class) -> bool``, whether drafts of that class come from the
+    # drafter's model and cost its forwards (drafters/lookup_first.py: lookup's classes do not).
+    # Without it, every class of a drafter with a ``draft_forward`` does.
+
     def propose(self, seqs: list[Sequence], num_drafts: list[int], step: FinishedStep) -> None:
         """Set ``seq.spec_token_ids`` to at most ``num_drafts[i]`` tokens for each running
         sequence; ``step`` is the step just run (the running sequences include every scheduled

@@ -164,6 +164,8 @@ class AdaptivePolicy:
         self.tested: dict[int, int] = {}  # seq_id -> class it verified drafts of, last step
         self.last_class: dict[int, int] = {}  # seq_id -> class of its latest drafts
         self.pending = 0  # catch-up tokens of the latest allocation's drafting sequences
+        self.modelled: list[bool] = []  # latest allocation: whether each sequence's drafts run
+        # the drafter's model (a class drafted without it, as by prompt lookup, costs nothing)
 
     def num_drafts(
         self,
@@ -171,17 +173,22 @@ class AdaptivePolicy:
         max_model_len: int,
         classify: Callable[[Sequence], int] | None = None,
         backlog: Callable[[Sequence], int] | None = None,
+        runs_model: Callable[[int], bool] | None = None,
     ) -> list[int]:
         """Drafts for each sequence next step (0 for one still prefilling or about to end).
 
         ``classify`` is the drafter's ``draft_class`` (0: no draft to offer); None: one class.
         ``backlog`` is the drafter's ``catch_up_tokens``: what a draft model's first forward
         must feed before it drafts (a sequence it has not drafted for in a while has many),
-        priced with the draft cost curve at that many tokens.
+        priced with the draft cost curve at that many tokens. ``runs_model`` is the drafter's
+        ``runs_model``: whether drafts of a class come from its model (and cost its forwards);
+        None: all of them do.
         """
         limits = [self._limit(seq, max_model_len) for seq in seqs]
         classes = [classify(s) if classify and k else 1 for s, k in zip(seqs, limits)]
         limits = [k if c else 0 for k, c in zip(limits, classes)]
+        modelled = [runs_model(c) if runs_model else True for c in classes]
+        self.modelled = modelled
         if self.cost is None:
             ks = limits
         else:
@@ -190,28 +197,42 @@ class AdaptivePolicy:
                 drift = CLASS_RECOVERY * (self.prior_acceptance - self.class_acceptance[c])
                 self.class_acceptance[c] += drift
             rates = [self._rate(s, c, tested.get(s.seq_id) == c) for s, c in zip(seqs, classes)]
-            backlogs = [backlog(s) if backlog and k else 0 for s, k in zip(seqs, limits)]
-            ks = self._allocate(rates, limits, sum(backlogs))
+            backlogs = [
+                backlog(s) if backlog and k and m else 0 for s, k, m in zip(seqs, limits, modelled)
+            ]
+            ks = self._allocate(rates, limits, sum(backlogs), modelled)
             self.pending = sum(b for b, k in zip(backlogs, ks) if k)
         for seq, k, c in zip(seqs, ks, classes):
             if k:
                 self.last_class[seq.seq_id] = c
         return ks
 
-    def _allocate(self, rates: list[float], limits: list[int], pending: int = 0) -> list[int]:
+    def _allocate(
+        self,
+        rates: list[float],
+        limits: list[int],
+        pending: int = 0,
+        modelled: list[bool] | None = None,
+    ) -> list[int]:
         """The draft depth ``d`` that maximises expected tokens per second; each sequence then
-        verifies ``min(d, its limit)`` drafts."""
+        verifies ``min(d, its limit)`` drafts. ``modelled[i]``: sequence i's drafts run the
+        drafter's model (default: all do)."""
         # Drafts worth verifying at all: the j-th only while its chance a**j >= MIN_CHANCE.
         useful = [
             next((j for j in range(k) if a ** (j + 1) < MIN_CHANCE), k)
             for a, k in zip(rates, limits)
         ]
+        modelled = modelled or [True] * len(rates)
+        model_batch = sum(modelled)  # as the drafter's forwards are priced: every such sequence
+        model_useful = max((k for k, m in zip(useful, modelled) if m), default=0)
         best_depth, best_rate = 0, 0.0
         for depth in range(max(useful, default=0) + 1):
             expected = sum(
                 1 + sum(a**j for j in range(1, min(depth, k) + 1)) for a, k in zip(rates, useful)
             )
-            rate = expected / self._step_time(depth, len(rates), pending)
+            model_depth = min(depth, model_useful)
+            step = self._step_time(depth, len(rates), pending, model_batch, model_depth)
+            rate = expected / step
             if rate > best_rate * (1 + 1e-9):
                 best_depth, best_rate = depth, rate
         return [min(best_depth, k) for k in useful]
@@ -224,6 +245,8 @@ class AdaptivePolicy:
     def observe_drafting(self, num_drafts: list[int], seconds: float) -> None:
         """Learn the draft cost from a real proposal: the drafter gave ``num_drafts`` drafts to
         the sequences of the latest allocation in ``seconds`` (forwards, catch-up, sampling)."""
+        if len(self.modelled) == len(num_drafts):  # only the model's drafts cost its forwards
+            num_drafts = [k for k, m in zip(num_drafts, self.modelled) if m]
         batch, depth = sum(1 for k in num_drafts if k), max(num_drafts, default=0)
         if self.draft_cost is None or not depth:
             return
@@ -231,15 +254,26 @@ class AdaptivePolicy:
         catch_up = self.draft_cost(max(batch, self.pending)) - self.draft_cost(batch)
         self.draft_cost.observe(batch, max(seconds - catch_up, 0.0) / forwards)
 
-    def _step_time(self, depth: int, batch: int, pending: int = 0) -> float:
-        """A target forward of ``batch`` sequences padded to ``depth`` drafts each, plus ``depth``
-        sequential drafter forwards, the first of them feeding the ``pending`` catch-up tokens."""
+    def _step_time(
+        self,
+        depth: int,
+        batch: int,
+        pending: int = 0,
+        model_batch: int | None = None,
+        model_depth: int | None = None,
+    ) -> float:
+        """A target forward of ``batch`` sequences padded to ``depth`` drafts each, plus
+        ``model_depth`` (default ``depth``) sequential drafter forwards over the ``model_batch``
+        (default ``batch``) sequences whose drafts come from the model, the first of them feeding
+        the ``pending`` catch-up tokens."""
         assert self.cost is not None
+        model_batch = batch if model_batch is None else model_batch
+        model_depth = depth if model_depth is None else model_depth
         drafting = 0.0
-        if self.draft_cost is not None and depth:
-            drafting = self.draft_cost(max(batch, pending))
+        if self.draft_cost is not None and model_depth and model_batch:
+            drafting = self.draft_cost(max(model_batch, pending))
             if not self.drafts_in_one_pass:
-                drafting += (depth - 1) * self.draft_cost(batch)
+                drafting += (model_depth - 1) * self.draft_cost(model_batch)
         return self.cost(batch * (depth + 1)) + drafting
 
     def forget(self, seq: Sequence) -> None:

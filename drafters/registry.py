@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from specdec.drafters.base import Drafter
 from specdec.drafters.draft_model import DraftModelDrafter, QuantizedSelfDrafter
 from specdec.drafters.eagle import EagleDrafter
+from specdec.drafters.lookup_first import MAX_NGRAM, LookupFirst
 from specdec.drafters.medusa import MedusaDrafter
 from specdec.drafters.policy import AdaptivePolicy, StepCostModel
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
@@ -47,6 +48,9 @@ class SpecConfig:
     drafter: str | Drafter  # a name in DRAFTERS, or a drafter object of your own
     num_speculative_tokens: int  # most drafts per sequence per step (k)
     adaptive: bool  # choose k per sequence and step (see drafters/policy.py)
+    # a model drafter drafts by prompt lookup instead where the last lookup_first or more
+    # tokens occurred earlier (drafters/lookup_first.py); None: never
+    lookup_first: int | None
     options: Any  # the drafter's Options (None for a drafter object)
 
     def __init__(
@@ -54,6 +58,7 @@ class SpecConfig:
         drafter: str | Drafter = "prompt_lookup",
         num_speculative_tokens: int = 8,
         adaptive: bool = True,
+        lookup_first: int | None = None,
         **options: Any,
     ):
         self.drafter, self.adaptive = drafter, adaptive
@@ -62,6 +67,18 @@ class SpecConfig:
             raise ValueError(
                 f"num_speculative_tokens must be a positive integer, got {num_speculative_tokens!r}"
             )
+        self.lookup_first = lookup_first
+        if lookup_first is not None:
+            if not isinstance(lookup_first, int) or not 1 <= lookup_first <= MAX_NGRAM:
+                raise ValueError(
+                    f"lookup_first must be an n-gram length from 1 to {MAX_NGRAM}, got "
+                    f"{lookup_first!r}"
+                )
+            if isinstance(drafter, str) and drafter == PromptLookupDrafter.name:
+                raise ValueError(
+                    "lookup_first is for drafters with a model (quantized_self, draft_model, "
+                    "eagle, medusa); prompt_lookup already looks up every draft"
+                )
         if not isinstance(drafter, str):
             if options:
                 raise ValueError("a drafter object takes no options: configure the object")
@@ -102,6 +119,8 @@ def build_speculation(
         drafter = DRAFTERS[spec.drafter].build(spec.options, engine, target)
     else:
         drafter = spec.drafter
+    if spec.lookup_first is not None:
+        drafter = LookupFirst(drafter, spec.lookup_first)
     cost = draft_cost = None
     if spec.adaptive:
         cost = StepCostModel.measure(engine.runner.dummy_forward)

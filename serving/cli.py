@@ -97,6 +97,7 @@ def serve(
     num_speculative_tokens: int,
     draft_quantization: str | None,
     heads: str | None,
+    lookup_first: int | None,
     host: str,
     port: int,
     api_key: str | None,
@@ -144,6 +145,7 @@ def serve(
                 draft_model=draft_model,
                 draft_quantization=draft_quantization,
                 heads=heads,
+                lookup_first=lookup_first,
             ),
         )
     except (ValueError, FileNotFoundError) as e:

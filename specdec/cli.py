@@ -46,6 +46,7 @@ def generate(
     num_speculative_tokens: int,
     draft_quantization: str | None,
     heads: str | None,
+    lookup_first: int | None,
     **sampling: Any,
 ) -> None:
     """Generate a completion for each PROMPT, in one continuous batch."""
@@ -59,6 +60,7 @@ def generate(
             draft_model=draft_model,
             draft_quantization=draft_quantization,
             heads=heads,
+            lookup_first=lookup_first,
         )
         llm = LLM(
             model,
@@ -183,7 +185,11 @@ def _split(value: str | None, kind: type = str) -> tuple[Any, ...] | None:
 @click.option(
     "--max-turns", default=None, type=int, help="Turns played per question (default: all)."
 )
-@click.option("--drafters", default=None, help="Comma-separated (default: every one available).")
+@click.option(
+    "--drafters",
+    default=None,
+    help="Comma-separated (default: every one available); NAME+lookup runs NAME with prompt lookup first (lookup_first=2).",
+)
 @click.option("--k", "ks", default="8", show_default=True, help="k to try, comma-separated.")
 @click.option(
     "--adaptive/--fixed-k",

@@ -68,6 +68,14 @@ def speculation_options(fn: Any) -> Any:
         "heads shipped for the default model).",
     )(fn)
     fn = click.option(
+        "--lookup-first",
+        default=None,
+        type=int,
+        help="With a drafter that has a model: draft by prompt lookup instead wherever the "
+        "last N or more tokens occurred earlier in the prompt or output (free drafts where the "
+        "answer copies its prompt).",
+    )(fn)
+    fn = click.option(
         "--num-speculative-tokens",
         default=8,
         show_default=True,
@@ -83,7 +91,8 @@ def spec_config(drafter: str, num_speculative_tokens: int, **options: Any) -> Sp
     if drafter == "none":
         return None
     given = {name: value for name, value in options.items() if value is not None}
+    lookup_first = given.pop("lookup_first", None)
     try:
-        return SpecConfig(drafter, num_speculative_tokens, **given)
+        return SpecConfig(drafter, num_speculative_tokens, lookup_first=lookup_first, **given)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None

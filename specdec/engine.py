@@ -140,7 +140,11 @@ class Engine:
             policy.forget(seq)
         running = self.scheduler.running
         ks = policy.num_drafts(
-            running, self.max_model_len, drafter.draft_class, drafter.catch_up_tokens
+            running,
+            self.max_model_len,
+            drafter.draft_class,
+            drafter.catch_up_tokens,
+            getattr(drafter, "runs_model", None),
         )
         start = time.perf_counter()
         drafter.propose(running, ks, step)

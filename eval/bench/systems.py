@@ -10,6 +10,7 @@ import torch
 
 from specdec import LLM, SamplingParams, SpecConfig
 from specdec.drafters.heads import default_heads
+from specdec.drafters.lookup_first import DEFAULT_LOOKUP_FIRST, LOOKUP_SUFFIX
 from specdec.drafters.registry import DRAFTERS
 
 PLAIN = "specdec"  # the engine without speculation: every ratio's baseline
@@ -92,6 +93,8 @@ def available_drafters(model: Any, draft_model: str | None, heads: dict[str, str
         if name in ("eagle", "medusa") and name not in heads and not shipped:
             continue
         names.append(name)
+        if name == "quantized_self":  # and with prompt lookup first (drafters/lookup_first.py)
+            names.append(name + LOOKUP_SUFFIX)
     return names
 
 
@@ -111,13 +114,16 @@ def engine_systems(
     systems = [EngineSystem(PLAIN, LLM(model, **options), None, None)]
     for drafter in drafters:
         extra: dict[str, Any] = {}
-        if drafter == "draft_model":
+        base = drafter.removesuffix(LOOKUP_SUFFIX)  # "eagle+lookup": eagle, lookup first
+        if base != drafter:
+            extra["lookup_first"] = DEFAULT_LOOKUP_FIRST
+        if base == "draft_model":
             extra["draft_model"] = draft_model
-        if drafter in (heads or {}):
-            extra["heads"] = (heads or {})[drafter]
+        if base in (heads or {}):
+            extra["heads"] = (heads or {})[base]
         for k in ks:
             name = f"{drafter}" if len(ks) == 1 else f"{drafter} k={k}"
-            spec = SpecConfig(drafter, k, adaptive, **extra)
+            spec = SpecConfig(base, k, adaptive, **extra)
             systems.append(EngineSystem(name, LLM(model, **options, speculative=spec), drafter, k))
     return systems
 

@@ -73,10 +73,10 @@ def test_serve_binds_loopback_and_takes_the_api_key_from_the_environment(capture
 def test_serve_passes_the_draft_quantization_on(captured_run):
     from specdec.drafters import SpecConfig
 
-    args = ["--drafter", "quantized_self", "--draft-quantization", "w8a8"]
+    args = ["--drafter", "quantized_self", "--draft-quantization", "w8a8", "--lookup-first", "3"]
     result = CliRunner().invoke(cli.serve, args)
     assert result.exit_code == 0, result.output
-    expected = SpecConfig("quantized_self", 8, draft_quantization="w8a8")
+    expected = SpecConfig("quantized_self", 8, lookup_first=3, draft_quantization="w8a8")
     assert captured_run["llm"][1]["speculative"] == expected
     bad = CliRunner().invoke(
         cli.serve, ["--drafter", "quantized_self", "--draft-quantization", "q2"]
