@@ -11,7 +11,11 @@ so a step runs the model's forwards only for the sequences that need them.
 The adaptive policy keeps acceptance per *draft class*: lookup classes are ``LOOKUP_CLASS + n``
 (the matched n-gram's length), the wrapped drafter's keep their numbers, and ``runs_model`` tells
 the policy which classes cost the model's forwards (drafters/policy.py), so a step whose drafts
-all come from lookup is priced, and deepened, as prompt lookup's would be.
+all come from lookup is priced, and deepened, as prompt lookup's would be. Where a sequence's
+suffix matched, the source is the one the policy values more for it (:meth:`AdaptivePolicy.value`:
+expected tokens per second at the best depth, from the acceptance measured so far and the cost
+curves): a short match in a chat, accepted half the time, loses to a quantized copy accepted
+nine times in ten even at the price of its forwards, while a long copied run wins.
 
 Output is untouched: whichever source drafts, the target verifies (specdec/verifier.py), and
 a sampled request's drafts, lookup's included, are tested against the target's own race
@@ -23,17 +27,23 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from specdec.drafters.base import Drafter, FinishedStep
+from specdec.drafters.policy import AdaptivePolicy
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.sequence import Sequence
 
 LOOKUP_CLASS = 1000  # lookup's draft classes: LOOKUP_CLASS + the matched n-gram's length
 MAX_NGRAM = 4  # the longest suffix looked up
-# What `specdec bench --drafters quantized_self+lookup` runs. Measured side by side (bfloat16,
-# first turns of 5 questions per category, adaptive k <= 8), quantized_self with lookup_first
-# 1 / 2 / 3 against quantized_self alone: summarization 1.40 / 1.50 / 1.40x against 1.32x,
-# retrieval 1.46 / 1.42 / 1.47x against 1.27x, code editing 2.35 / 2.30 / 2.16x against 1.52x,
-# chat 1.47x for all, short questions 1.32 / 1.49 / 1.46x against 1.49x: a 1-gram match is too
-# often wrong where nothing is copied, so 2.
+# Acceptance assumed for a lookup draft before the policy has measured its class, by matched
+# n-gram length: prompt lookup's first drafts were accepted 16-31% of the time after a 1-gram
+# match and 80-100% after a 4-gram one on our prompt sets (drafters/prompt_lookup.py). Optimistic
+# enough that a long match is tried, and so measured, beside a model accepted 0.9 of the time.
+LOOKUP_PRIORS = {1: 0.3, 2: 0.5, 3: 0.7, 4: 0.85}
+# What `specdec bench --drafters quantized_self+lookup` runs. Measured side by side in float32
+# (first turns of 5 questions per category; lookup_first 2 / 3 against quantized_self alone):
+# code editing 2.15 / 2.35x against 1.85x, summarization 1.46 / 1.55x against 1.45x, retrieval
+# 1.41 / 1.37x against 1.33x, chat 2.16 / 2.11x against 2.24x; in bfloat16 before the policy
+# chose between the sources, a 1-gram match (lookup_first=1) cost short questions 1.32x against
+# 1.49x. 2 and 3 are within the noise of each other; 2 drafts by lookup more often.
 DEFAULT_LOOKUP_FIRST = 2
 LOOKUP_SUFFIX = "+lookup"  # a bench drafter name with this suffix runs its base lookup-first
 
@@ -56,10 +66,30 @@ class LookupFirst:
         self.max_drafts = inner.max_drafts
         self.drafts_in_one_pass = inner.drafts_in_one_pass
         self.draft_forward: Callable[[int], object] | None = inner.draft_forward
+        # the engine's policy, whose estimates choose the source (set by build_speculation)
+        self.policy: AdaptivePolicy | None = None
+        self._chosen: dict[int, tuple[int, int]] = {}  # seq_id -> (num_tokens, chosen class)
+        self.class_priors = {LOOKUP_CLASS + n: a for n, a in LOOKUP_PRIORS.items()}
 
     def draft_class(self, seq: Sequence) -> int:
+        """Lookup's class where the suffix matched and lookup is worth more than the model
+        there, as the adaptive policy prices the two (acceptance so far, the model's forwards;
+        with a fixed k, wherever it matched); else the model's class. Kept for
+        :meth:`propose`."""
         n = self.lookup.draft_class(seq)
-        return LOOKUP_CLASS + n if n else self.inner.draft_class(seq)
+        chosen = self.inner.draft_class(seq)
+        if n:
+            looked_up = LOOKUP_CLASS + n
+            policy = self.policy
+            if (
+                not chosen
+                or policy is None
+                or policy.cost is None  # a fixed k: lookup wherever it matched
+                or policy.value(seq, looked_up, False) >= policy.value(seq, chosen, True)
+            ):
+                chosen = looked_up
+        self._chosen[seq.seq_id] = (seq.num_tokens, chosen)
+        return chosen
 
     def runs_model(self, draft_class: int) -> bool:
         return draft_class < LOOKUP_CLASS
@@ -68,7 +98,7 @@ class LookupFirst:
         return self.inner.catch_up_tokens(seq)
 
     def propose(self, seqs: list[Sequence], num_drafts: list[int], step: FinishedStep) -> None:
-        looked_up = [bool(k) and self.lookup.draft_class(s) > 0 for s, k in zip(seqs, num_drafts)]
+        looked_up = [bool(k) and self._source(s) >= LOOKUP_CLASS for s, k in zip(seqs, num_drafts)]
         # the model sees every sequence (a head queues each one's hidden states) but drafts
         # only for those lookup does not serve
         model_ks = [0 if hit else k for k, hit in zip(num_drafts, looked_up)]
@@ -79,3 +109,9 @@ class LookupFirst:
     def forget(self, seq: Sequence) -> None:
         self.inner.forget(seq)
         self.lookup.forget(seq)
+        self._chosen.pop(seq.seq_id, None)
+
+    def _source(self, seq: Sequence) -> int:
+        """The class :meth:`draft_class` chose for ``seq`` as it is now (chosen again if not)."""
+        cached = self._chosen.get(seq.seq_id)
+        return cached[1] if cached and cached[0] == seq.num_tokens else self.draft_class(seq)

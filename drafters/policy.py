@@ -153,9 +153,11 @@ class AdaptivePolicy:
         draft_cost: StepCostModel | None = None,
         prior_acceptance: float = PRIOR_ACCEPTANCE,
         drafts_in_one_pass: bool = False,
+        class_priors: dict[int, float] | None = None,
     ):
         self.max_drafts = max_drafts
         self.prior_acceptance = prior_acceptance  # the drafter's acceptance before any is measured
+        self.class_priors = class_priors or {}  # classes whose prior is their own
         self.cost = cost  # None: fixed k (every eligible sequence gets max_drafts)
         self.draft_cost = draft_cost  # time of one drafter forward over N sequences, if any
         self.drafts_in_one_pass = drafts_in_one_pass  # one forward drafts every depth (Medusa)
@@ -194,7 +196,7 @@ class AdaptivePolicy:
         else:
             tested, self.tested = self.tested, {}
             for c in self.class_acceptance.keys() - set(tested.values()):
-                drift = CLASS_RECOVERY * (self.prior_acceptance - self.class_acceptance[c])
+                drift = CLASS_RECOVERY * (self.prior(c) - self.class_acceptance[c])
                 self.class_acceptance[c] += drift
             rates = [self._rate(s, c, tested.get(s.seq_id) == c) for s, c in zip(seqs, classes)]
             backlogs = [
@@ -300,17 +302,39 @@ class AdaptivePolicy:
             tested = self.last_class.get(seq.seq_id, 1)
             self.tested[seq.seq_id] = tested
             rate = passed / (passed + (1 if passed < drafted else 0))
-            shared = self.class_acceptance.get(tested, self.prior_acceptance)
+            shared = self.class_acceptance.get(tested, self.prior(tested))
             own = self.acceptance.setdefault(seq.seq_id, {})
             own[tested] = (1 - EMA_WEIGHT) * own.get(tested, shared) + EMA_WEIGHT * rate
             self.class_acceptance[tested] = (
                 1 - CLASS_EMA_WEIGHT
             ) * shared + CLASS_EMA_WEIGHT * rate
 
+    def prior(self, draft_class: int) -> float:
+        """The acceptance assumed for ``draft_class`` before any is measured."""
+        return self.class_priors.get(draft_class, self.prior_acceptance)
+
+    def value(self, seq: Sequence, draft_class: int, modelled: bool) -> float:
+        """Expected tokens per second of ``seq`` stepping alone with drafts of ``draft_class``
+        at the best depth, from its acceptance estimate (read, not drifted) and the cost curves;
+        ``modelled``: the drafts cost the drafter's forwards. Lets a drafter with two sources
+        pick the better one for a sequence (drafters/lookup_first.py)."""
+        own = self.acceptance.get(seq.seq_id, {})
+        a = own.get(draft_class, self.class_acceptance.get(draft_class, self.prior(draft_class)))
+        if self.cost is None:  # fixed k: no costs to weigh, only the acceptance
+            return a
+        best, expected = 0.0, 0.0
+        for depth in range(self.max_drafts + 1):
+            expected += a**depth
+            drafting = 0.0
+            if modelled and depth and self.draft_cost is not None:
+                drafting = self.draft_cost(1) * (1 if self.drafts_in_one_pass else depth)
+            best = max(best, expected / (self.cost(depth + 1) + drafting))
+        return best
+
     def _rate(self, seq: Sequence, draft_class: int, just_tested: bool) -> float:
         """The sequence's acceptance average for ``draft_class`` (its class's, if it has none);
         one not tested this step drifts back toward the class average, to be probed again."""
-        shared = self.class_acceptance.get(draft_class, self.prior_acceptance)
+        shared = self.class_acceptance.get(draft_class, self.prior(draft_class))
         own = self.acceptance.get(seq.seq_id, {})
         if draft_class not in own:
             return shared

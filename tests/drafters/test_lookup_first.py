@@ -14,6 +14,7 @@ from specdec.drafters.lookup_first import LOOKUP_CLASS, LookupFirst
 from specdec.drafters.policy import AdaptivePolicy, StepCostModel
 from specdec.drafters.prompt_lookup import PromptLookupDrafter, find_match
 from specdec.eval.bench.systems import available_drafters, engine_systems
+from specdec.sequence import Sequence
 from tests.tiny import byte_tokenizer, tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -57,9 +58,9 @@ def test_output_equals_plain_decoding_with_both_sources_drafting(make_llm, dtype
     assert fast.engine.verifier.stats.num_accepted_tokens > 0
 
 
-def test_adaptive_policy_keeps_acceptance_per_source(make_llm):
+def test_the_policy_keeps_acceptance_per_source(make_llm):
     plain = make_llm()
-    fast = make_llm(speculative=SpecConfig("quantized_self", lookup_first=2))
+    fast = make_llm(speculative=SpecConfig("quantized_self", 4, adaptive=False, lookup_first=2))
     expected = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
     assert [o.token_ids for o in fast.generate(PROMPTS, GREEDY)] == expected
     classes = set(fast.engine.policy.class_acceptance)
@@ -96,6 +97,38 @@ def test_each_sequence_gets_lookup_or_the_model_never_both(make_llm):
     assert not any(k and m for (_, k), m in zip(inner.asked, matched))
     assert any(matched) and any(k for _, k in inner.asked)
     assert drafter.runs_model(1) and not drafter.runs_model(LOOKUP_CLASS + 2)
+
+
+def test_lookup_drafts_only_where_the_policy_values_it_above_the_model():
+    """A draft forward costs a fifth of a target step here: a match accepted 0.9 of the time
+    (free) beats the model at 0.95; one accepted 0.3 of the time loses to it."""
+    flat = StepCostModel([(1, 0.010), (128, 0.010)])
+    policy = AdaptivePolicy(8, flat, draft_cost=StepCostModel([(1, 0.002), (32, 0.002)]))
+    drafter = LookupFirst(FixedModelDrafter(), 2)
+    drafter.policy = policy
+    seq = Sequence(0, [1, 2, 3, 4, 1, 2], 6, SamplingParams(temperature=0))
+    policy.class_acceptance = {1: 0.95, LOOKUP_CLASS + 2: 0.9}
+    assert drafter.draft_class(seq) == LOOKUP_CLASS + 2
+    policy.class_acceptance[LOOKUP_CLASS + 2] = 0.3
+    seq.token_ids = [1, 2, 3, 4, 1, 2, 3, 9, 1, 2]  # the same match, one step later
+    assert drafter.draft_class(seq) == 1
+    seq.token_ids = [1, 2, 3, 4, 5]  # no match: the model
+    assert drafter.draft_class(seq) == 1
+
+
+def test_a_lookup_class_starts_from_its_own_prior(make_llm):
+    """Before any is measured, a 4-gram match is assumed accepted far more often than a
+    1-gram one (prompt lookup's measurements), not at the model's prior."""
+    llm = make_llm(speculative=SpecConfig("quantized_self", lookup_first=1))
+    policy = llm.engine.policy
+    assert llm.engine.drafter.policy is policy
+    assert policy.prior(1) == llm.engine.drafter.prior_acceptance == 0.9
+    assert policy.prior(LOOKUP_CLASS + 1) < policy.prior(LOOKUP_CLASS + 4) < 0.9
+    # whatever the policy chooses, step by step, the output is plain decoding's
+    plain = make_llm()
+    for params in (GREEDY, SAMPLED):
+        expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected
 
 
 def test_a_step_drafted_by_lookup_alone_costs_no_model_forwards():
