@@ -52,8 +52,6 @@ class LookupFirst:
     """``inner``'s drafts, except where the suffix ``min_n``-gram (or longer) occurred before."""
 
     def __init__(self, inner: Drafter, min_n: int):
-        if not 1 <= min_n <= MAX_NGRAM:
-            raise ValueError(f"lookup_first must be between 1 and {MAX_NGRAM}, got {min_n}")
         if inner.draft_forward is None:
             raise ValueError(
                 f"lookup_first needs a drafter with a model of its own (quantized_self, "

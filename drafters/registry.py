@@ -126,13 +126,13 @@ def build_speculation(
         cost = StepCostModel.measure(engine.runner.dummy_forward)
         if drafter.draft_forward is not None:  # a drafter with a model of its own: time it too
             draft_cost = StepCostModel.measure(drafter.draft_forward, sizes=(1, 8, 32))
-    priors = drafter.class_priors if isinstance(drafter, LookupFirst) else None
     policy = AdaptivePolicy(
         spec.num_speculative_tokens,
         cost,
         draft_cost,
         drafter.prior_acceptance,
-        class_priors=priors,
+        drafts_in_one_pass=drafter.drafts_in_one_pass,  # Medusa: one forward for every depth
+        class_priors=getattr(drafter, "class_priors", None),
     )
     if isinstance(drafter, LookupFirst):
         drafter.policy = policy  # its estimates choose between lookup and the model

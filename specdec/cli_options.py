@@ -91,8 +91,7 @@ def spec_config(drafter: str, num_speculative_tokens: int, **options: Any) -> Sp
     if drafter == "none":
         return None
     given = {name: value for name, value in options.items() if value is not None}
-    lookup_first = given.pop("lookup_first", None)
     try:
-        return SpecConfig(drafter, num_speculative_tokens, lookup_first=lookup_first, **given)
+        return SpecConfig(drafter, num_speculative_tokens, **given)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None

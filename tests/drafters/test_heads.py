@@ -149,6 +149,17 @@ def test_greedy_output_equals_plain_decoding(make_llm, trained, kind, dtype):
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_adaptive_policy_prices_medusa_as_one_forward_and_eagle_as_one_per_depth(
+    make_llm, trained, kind
+):
+    spec = make_llm(speculative=SpecConfig(kind, 4, heads=trained[kind]))
+    assert spec.engine.policy.drafts_in_one_pass is (kind == "medusa")
+    plain = make_llm()
+    reference = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    assert [o.token_ids for o in spec.generate(PROMPTS, GREEDY)] == reference
+
+
 def test_eagle_is_exact_with_chunked_prefill_prefix_hits_and_preemption(make_llm, trained):
     plain = make_llm()
     long_prompts = [PROMPTS[0] * 6, PROMPTS[0] * 6 + PROMPTS[1], PROMPTS[1] * 5]
