@@ -25,6 +25,7 @@ from specdec.serving.limits import (
     BodyLimitMiddleware,
     max_prompt_chars,
 )
+from specdec.serving.logprobs import TokenTexts
 from specdec.serving.metrics import RequestCountMiddleware, ServerMetrics
 from specdec.serving.routes import router
 
@@ -69,6 +70,7 @@ class ServerState:
     metrics: ServerMetrics
     gate: AdmissionGate  # --max-concurrent and --max-queue
     max_prompt_chars: int  # a longer prompt text cannot fit the context (refused untokenized)
+    token_texts: TokenTexts  # each token's text, for logprobs
     created: int = field(default_factory=lambda: int(time.time()))  # server start, Unix time
 
 
@@ -84,6 +86,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
         metrics=metrics,
         gate=AdmissionGate(config.max_concurrent, config.max_queue, config.retry_after_s),
         max_prompt_chars=max_prompt_chars(llm.tokenizer, llm.engine.max_model_len),
+        token_texts=TokenTexts(llm.tokenizer),
     )
     metrics.queued.set_function(lambda: state.gate.num_waiting)
     metrics.observe_engine(llm.engine)

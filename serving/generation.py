@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, TypeVar
 from fastapi import Request
 from pydantic import BaseModel
 
-from specdec.outputs import RequestOutput
+from specdec.outputs import RequestOutput, TokenLogprobs
 from specdec.serving.bridge import EngineDeadError, GenerationRequest
 from specdec.serving.errors import APIError
 from specdec.serving.metrics import SequenceTracker
@@ -41,6 +41,7 @@ class Choice:
     text: str = ""  # generated text so far
     num_tokens: int = 0  # generated tokens so far
     finish_reason: str | None = None  # set when it finished
+    logprobs: list[TokenLogprobs] | None = None  # per token, when the request asked for them
 
 
 class Generation:
@@ -95,6 +96,9 @@ class Generation:
             choice = self.choices[i]
             choice.text += item.text
             choice.num_tokens += len(item.token_ids)
+            if item.logprobs is not None:
+                choice.logprobs = choice.logprobs or []
+                choice.logprobs.extend(item.logprobs)
             self._trackers[i].observe(item)
             if item.finished:
                 choice.finish_reason = item.finish_reason

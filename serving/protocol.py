@@ -2,7 +2,7 @@
 
 Validation is strict, as OpenAI's own API is: ``"5"`` is not an integer and ``true`` is not 1.
 Fields this server does not know are ignored, as OpenAI-compatible servers do. Fields it knows but
-does not implement (logprobs, penalties, tools, ...) are rejected when set to anything other than
+does not implement (penalties, tools, ...) are rejected when set to anything other than
 their neutral value, so that nobody silently gets less than they asked for. ``null`` means "the
 default" for every optional field.
 
@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from specdec.config import SamplingParams
+from specdec.config import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 128  # most choices per prompt, as OpenAI allows
 _INT64 = 2**63
@@ -74,13 +74,11 @@ class GenerationFields(StrictModel):
     presence_penalty: Any = None
     frequency_penalty: Any = None
     repetition_penalty: Any = None
-    logprobs: Any = None
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
         "logit_bias": (None, {}),
         "presence_penalty": (None, 0),
         "frequency_penalty": (None, 0),
         "repetition_penalty": (None, 1),
-        "logprobs": (None, False),
     }
 
     @field_validator("stop", mode="before")
@@ -108,6 +106,11 @@ class GenerationFields(StrictModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token to return with each token's logprob; None: no logprobs."""
+        return None
+
     def sampling_params(self, max_tokens: int, choice: int = 0) -> SamplingParams:
         """The engine's parameters for ``choice`` (choice ``i`` of a seeded request uses seed + i).
 
@@ -125,6 +128,7 @@ class GenerationFields(StrictModel):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=bool(self.ignore_eos),
             min_tokens=self.min_tokens or 0,
+            logprobs=self.num_logprobs,
         )
 
 
@@ -132,6 +136,8 @@ class CompletionRequest(GenerationFields):
     """``POST /v1/completions``: continue raw prompts (no chat template)."""
 
     prompt: list[str | list[int]]  # a string, a list of strings, token ids or token-id lists
+    # each token's logprob and this many most likely tokens' (legacy completions' format)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: Any = None
     suffix: Any = None
     best_of: Any = None
@@ -154,6 +160,10 @@ class CompletionRequest(GenerationFields):
         raise ValueError(
             "must be a string, a list of strings, a list of token ids or a list of token-id lists"
         )
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(StrictModel):
@@ -182,13 +192,13 @@ class ChatCompletionRequest(GenerationFields):
     """``POST /v1/chat/completions``: reply to a conversation, through the chat template."""
 
     messages: list[ChatMessage]  # the conversation so far, at least one message
-    top_logprobs: Any = None
+    logprobs: bool | None = None  # each token's logprob in choices[].logprobs.content
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # and this many alternatives
     tools: Any = None
     tool_choice: Any = None
     response_format: Any = None
     NEUTRAL = {
         **GenerationFields.NEUTRAL,
-        "top_logprobs": (None, 0),
         "tools": (None, []),
         "tool_choice": (None, "none"),
         "response_format": (None, {"type": "text"}),
@@ -200,6 +210,17 @@ class ChatCompletionRequest(GenerationFields):
         if not value:
             raise ValueError("must contain at least one message")
         return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):  # as OpenAI refuses it
+            raise ValueError("needs logprobs set to true")
+        return value
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def conversation(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.content or ""} for m in self.messages]

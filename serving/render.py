@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from specdec.serving.generation import Generation
+from specdec.serving.logprobs import chat_logprobs, completion_logprobs, text_length
 from specdec.serving.responses import (
     AssistantMessage,
     ChatChoice,
@@ -39,8 +40,14 @@ class ResponseMeta:
 
 
 def completion_response(generation: Generation, meta: ResponseMeta) -> CompletionResponse:
+    texts = generation.state.token_texts
     choices = [
-        CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason)
+        CompletionChoice(
+            index=i,
+            text=c.text,
+            logprobs=None if c.logprobs is None else completion_logprobs(c.logprobs, texts),
+            finish_reason=c.finish_reason,
+        )
         for i, c in enumerate(generation.choices)
     ]
     return CompletionResponse(
@@ -60,17 +67,35 @@ async def completion_chunks(
             id=meta.id, created=meta.created, model=meta.model, choices=choices
         )
 
+    texts = generation.state.token_texts
+    offsets = [0] * len(generation.choices)  # each choice's text_offset so far
     async for i, delta in generation.deltas():
-        if delta.text or delta.finished:
+        if delta.text or delta.finished or delta.logprobs:
             reason = delta.finish_reason if delta.finished else None
-            yield chunk([CompletionChoice(index=i, text=delta.text, finish_reason=reason)])
+            logprobs = None
+            if delta.logprobs is not None:
+                logprobs = completion_logprobs(delta.logprobs, texts, offsets[i])
+                offsets[i] += text_length(delta.logprobs, texts)
+            yield chunk(
+                [
+                    CompletionChoice(
+                        index=i, text=delta.text, logprobs=logprobs, finish_reason=reason
+                    )
+                ]
+            )
     if include_usage:
         yield chunk([]).model_copy(update={"usage": generation.usage()})
 
 
 def chat_response(generation: Generation, meta: ResponseMeta) -> ChatCompletionResponse:
+    texts = generation.state.token_texts
     choices = [
-        ChatChoice(index=i, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason)
+        ChatChoice(
+            index=i,
+            message=AssistantMessage(content=c.text),
+            logprobs=None if c.logprobs is None else chat_logprobs(c.logprobs, texts),
+            finish_reason=c.finish_reason,
+        )
         for i, c in enumerate(generation.choices)
     ]
     return ChatCompletionResponse(
@@ -92,10 +117,14 @@ async def chat_chunks(
 
     for i in range(len(generation.choices)):
         yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+    texts = generation.state.token_texts
     async for i, delta in generation.deltas():
-        if delta.text or delta.finished:
+        if delta.text or delta.finished or delta.logprobs:
             reason = delta.finish_reason if delta.finished else None
             content = ChatDelta(content=delta.text)
-            yield chunk([ChatChunkChoice(index=i, delta=content, finish_reason=reason)])
+            logprobs = None if delta.logprobs is None else chat_logprobs(delta.logprobs, texts)
+            yield chunk(
+                [ChatChunkChoice(index=i, delta=content, logprobs=logprobs, finish_reason=reason)]
+            )
     if include_usage:
         yield chunk([]).model_copy(update={"usage": generation.usage()})

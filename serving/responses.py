@@ -28,10 +28,20 @@ class Usage(BaseModel):
     total_tokens: int  # the sum of both
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions' logprobs: one entry per generated token in every list."""
+
+    tokens: list[str]  # each token's text
+    token_logprobs: list[float]  # its log-probability
+    # the `logprobs` most likely tokens' texts and log-probabilities, and the token's own
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]  # where each token's text starts, in characters from the choice's
+
+
 class CompletionChoice(BaseModel):
     index: int  # position in choices: prompt index x n + choice number
     text: str  # the generated text (a delta when streamed)
-    logprobs: None = None  # not supported
+    logprobs: CompletionLogprobs | None = None  # when the request set logprobs
     finish_reason: str | None = None  # "stop" or "length"; None while streaming
 
 
@@ -46,6 +56,21 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None  # always in a full response; in the last chunk if asked for
 
 
+class TopLogprob(BaseModel):
+    token: str  # the token's text
+    logprob: float  # its log-probability
+    bytes: list[int]  # its text's UTF-8 bytes
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]  # the `top_logprobs` most likely tokens, most likely first
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]  # one per generated token
+    refusal: None = None
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str  # the reply
@@ -54,7 +79,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int  # position in choices
     message: AssistantMessage  # the reply
-    logprobs: None = None  # not supported
+    logprobs: ChatLogprobs | None = None  # when the request set logprobs
     finish_reason: str | None  # "stop" or "length"
 
 
@@ -75,7 +100,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int  # which choice this chunk extends
     delta: ChatDelta  # what is new
-    logprobs: None = None  # not supported
+    logprobs: ChatLogprobs | None = None  # the new tokens', when the request set logprobs
     finish_reason: str | None = None  # set in the choice's last chunk
 
 

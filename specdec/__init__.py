@@ -3,7 +3,7 @@
 from specdec.config import EngineConfig, SamplingParams
 from specdec.drafters.registry import SpecConfig
 from specdec.llm import LLM
-from specdec.outputs import RequestOutput
+from specdec.outputs import RequestOutput, TokenLogprobs
 from specdec.wrap import WrappedModel, wrap
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SpecConfig",
+    "TokenLogprobs",
     "WrappedModel",
     "wrap",
 ]

@@ -14,6 +14,7 @@ import torch
 # Temperatures below this decode greedily, as in vLLM: at 1e-38 and below, logits / temperature
 # overflows float32 and the distribution becomes NaN, and long before that it is one-hot anyway.
 MIN_SAMPLING_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20  # most alternatives per token that logprobs returns (OpenAI's and vLLM's cap)
 
 
 @dataclass(slots=True)
@@ -32,6 +33,10 @@ class SamplingParams:
     ignore_eos: bool = False  # keep generating past the end-of-sequence token
     num_speculative_tokens: int | None = None  # cap on drafts per step; 0 turns speculation off
     return_logits: bool = False  # hand back each generated token's raw logits (RequestOutput)
+    # hand back each generated token's log-probability and the logprobs most likely tokens'
+    # (0: the chosen token's alone; None: none), from the model's raw distribution, before
+    # temperature or top-k/p (vLLM's default); see RequestOutput.logprobs
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -72,6 +77,15 @@ class SamplingParams:
             or (isinstance(self.num_speculative_tokens, int) and self.num_speculative_tokens >= 0),
             f"num_speculative_tokens must be a non-negative integer, got "
             f"{self.num_speculative_tokens!r}",
+        )
+        _check(
+            self.logprobs is None
+            or (
+                isinstance(self.logprobs, int)
+                and not isinstance(self.logprobs, bool)
+                and 0 <= self.logprobs <= MAX_LOGPROBS
+            ),
+            f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
         )
         _check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),

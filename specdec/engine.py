@@ -20,7 +20,7 @@ from specdec.drafters.policy import AdaptivePolicy
 from specdec.drafters.registry import SpecConfig, build_speculation
 from specdec.loader import LoadedCheckpoint, end_of_sequence_ids
 from specdec.models.llama import LlamaForCausalLM
-from specdec.outputs import RequestOutput
+from specdec.outputs import RequestOutput, TokenLogprobs
 from specdec.runner import ModelRunner, kv_block_bytes
 from specdec.scheduler import Scheduler
 from specdec.sequence import Sequence
@@ -123,7 +123,10 @@ class Engine:
             self.policy.observe_step(padded, time.perf_counter() - start)
         updated = self.scheduler.update(out, verification.emitted)
         logits = {seq.seq_id: rows for seq, rows in zip(out.seqs, verification.logits)}
-        deltas = [self._delta(seq, logits.get(seq.seq_id)) for seq in updated]
+        logprobs = {seq.seq_id: lps for seq, lps in zip(out.seqs, verification.logprobs)}
+        deltas = [
+            self._delta(seq, logits.get(seq.seq_id), logprobs.get(seq.seq_id)) for seq in updated
+        ]
         self._propose(FinishedStep(out, res, verification))
         return deltas
 
@@ -150,9 +153,15 @@ class Engine:
         drafter.propose(running, ks, step)
         policy.observe_drafting(ks, time.perf_counter() - start)
 
-    def _delta(self, seq: Sequence, logits: torch.Tensor | None = None) -> RequestOutput:
-        """The text and tokens ``seq`` gained since its previous delta; ``logits``: the rows
-        of this step's emitted tokens, of which the kept ones are handed back."""
+    def _delta(
+        self,
+        seq: Sequence,
+        logits: torch.Tensor | None = None,
+        logprobs: list[TokenLogprobs] | None = None,
+    ) -> RequestOutput:
+        """The text and tokens ``seq`` gained since its previous delta; ``logits`` and
+        ``logprobs``: those of this step's emitted tokens, of which the kept ones are handed
+        back (a stop ends a step's tokens early)."""
         text = self.detokenizer.step(seq, self.scheduler)
         new_tokens = seq.output_token_ids[seq.num_returned_tokens :]
         seq.num_returned_tokens = seq.num_output_tokens
@@ -167,6 +176,7 @@ class Engine:
             seq.finish_reason,
             seq.metrics,
             None if logits is None else logits[: len(new_tokens)],
+            None if logprobs is None else logprobs[: len(new_tokens)],
         )
 
 

@@ -9,6 +9,18 @@ import torch
 from specdec.sequence import SequenceMetrics
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """A generated token's log-probability under the model, and the most likely tokens' at its
+    position (``SamplingParams.logprobs`` of them, most likely first): the log-softmax of the
+    raw logits the token was decided from, the same row with or without speculation."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 + how many tokens the model found strictly more likely
+    top: tuple[tuple[int, float], ...]  # (token id, logprob) of the most likely tokens
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """A request's result so far: whole in ``LLM.generate``, a delta when streamed.
@@ -27,3 +39,5 @@ class RequestOutput:
     # [len(token_ids), V] float32 raw logits each generated token was decided from (the row
     # plain decoding reads, draft or not), when SamplingParams.return_logits; else None
     logits: torch.Tensor | None = None
+    # one per generated token, when SamplingParams.logprobs is set; else None
+    logprobs: list[TokenLogprobs] | None = None

@@ -24,6 +24,7 @@ import torch
 from specdec.config import SamplingParams
 from specdec.kernels import cpu_ops
 from specdec.kernels.cpu_ops import GOLDEN_GAMMA, MIX_MULTIPLIERS
+from specdec.outputs import TokenLogprobs
 
 
 def process_logits(
@@ -148,6 +149,26 @@ def exponential_noise(
 
         return exponential_noise_triton(seeds.to(device, non_blocking=True), vocab_size)
     return cpu_ops.exponential_noise(seeds, vocab_size).to(device)
+
+
+def token_logprobs(
+    logits: torch.Tensor,  # [n, V] the raw logit rows the tokens were decided from
+    tokens: list[int],  # [n] the token each row emitted
+    num_top: int,  # alternatives per token
+) -> list[TokenLogprobs]:
+    """Each token's log-probability, rank and the ``num_top`` most likely tokens at its row,
+    under the model's raw distribution (``log_softmax`` of the logits, in float32)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)]
+    ranks = (logprobs > chosen.unsqueeze(1)).sum(dim=1) + 1
+    top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (logprobs[:, :0],) * 2
+    return [
+        TokenLogprobs(token, logprob, rank, tuple(zip(ids, values, strict=True)))
+        for token, logprob, rank, ids, values in zip(
+            tokens, chosen.tolist(), ranks.tolist(), top_ids.tolist(), top_values.tolist(),
+            strict=True,
+        )
+    ]  # fmt: skip
 
 
 _MASK64 = (1 << 64) - 1

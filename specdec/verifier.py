@@ -44,8 +44,9 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.kernels.rejection import verify_row_tokens_triton
+from specdec.outputs import TokenLogprobs
 from specdec.runner import StepResult
-from specdec.sampling import exponential_noise, next_tokens, process_logits_for
+from specdec.sampling import exponential_noise, next_tokens, process_logits_for, token_logprobs
 from specdec.scheduler import SchedulerOutput
 from specdec.sequence import Sequence
 from specdec.verify import BACKENDS
@@ -106,6 +107,9 @@ class Verification:
     # [B] raw logits of the rows the emitted tokens came from, [len(emitted[i]), V], for the
     # sequences whose params ask for them (return_logits); None for the others
     logits: list[torch.Tensor | None] = field(default_factory=list)
+    # [B] the emitted tokens' log-probabilities, for the sequences whose params ask for them
+    # (SamplingParams.logprobs); None for the others
+    logprobs: list[list[TokenLogprobs] | None] = field(default_factory=list)
 
     @property
     def num_accepted(self) -> list[int]:  # [B] drafts each accepted
@@ -123,18 +127,23 @@ class Verifier:
     def verify(self, out: SchedulerOutput, res: StepResult) -> Verification:
         """Decide, for every scheduled sequence, the tokens it emits this step (maybe none),
         and count the drafts verified and accepted."""
+        num_seqs = len(out.seqs)
         verification = Verification(
-            [[] for _ in out.seqs], [0] * len(out.seqs), [None] * len(out.seqs)
+            [[] for _ in out.seqs], [0] * num_seqs, [None] * num_seqs, [None] * num_seqs
         )
         seqs = [out.seqs[i] for i in res.sample_indices]
         verify = self._walk if self.backend == "torch" else self._one_launch
         tokens = verify(seqs, res.logits, res.num_logit_rows)
         first_row = 0
-        for i, seq_tokens, rows in zip(res.sample_indices, tokens, res.num_logit_rows):
-            verification.emitted[i], verification.num_drafts[i] = seq_tokens, rows - 1
-            if out.seqs[i].params.return_logits:  # a copy: the step's logits are let go
-                verification.logits[i] = res.logits[first_row : first_row + len(seq_tokens)].clone()
-            first_row += rows
+        for i, seq_tokens, num_rows in zip(res.sample_indices, tokens, res.num_logit_rows):
+            verification.emitted[i], verification.num_drafts[i] = seq_tokens, num_rows - 1
+            params = out.seqs[i].params
+            rows = res.logits[first_row : first_row + len(seq_tokens)]  # the raw logits
+            if params.return_logits:  # a copy: the step's logits are let go
+                verification.logits[i] = rows.clone()
+            if params.logprobs is not None:
+                verification.logprobs[i] = token_logprobs(rows, seq_tokens, params.logprobs)
+            first_row += num_rows
         num_drafts = [n - 1 for n in res.num_logit_rows]
         self.stats.record(seqs, num_drafts, [len(t) - 1 for t in tokens])
         return verification
