@@ -2,14 +2,15 @@
 
 Validation is strict, as OpenAI's own API is: ``"5"`` is not an integer and ``true`` is not 1.
 Fields this server does not know are ignored, as OpenAI-compatible servers do. Fields it knows but
-does not implement (penalties, tools, ...) are rejected when set to anything other than
+does not implement (``logit_bias``, tools, ...) are rejected when set to anything other than
 their neutral value, so that nobody silently gets less than they asked for. ``null`` means "the
 default" for every optional field.
 
 Terms:
     choice: one generated sequence of a response; a request has ``n`` choices per prompt.
     extra field: a field OpenAI does not define, taken from vLLM (``top_k``, ``min_p``,
-        ``ignore_eos``, ``stop_token_ids``) or specdec's own (``num_speculative_tokens``).
+        ``ignore_eos``, ``stop_token_ids``, ``repetition_penalty``) or specdec's own
+        (``num_speculative_tokens``).
 """
 
 from __future__ import annotations
@@ -69,16 +70,16 @@ class GenerationFields(StrictModel):
     stream_options: StreamOptions | None = None  # only read when streaming
     num_speculative_tokens: int | None = Field(None, ge=0, le=64)  # extra; drafts per step, 0: off
 
+    # subtract this from every generated token's logit (presence) or this times its count
+    presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    # extra; divide a positive logit of a prompt or output token by it; None: 1 (off)
+    repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)
+
     # Known but not implemented: accepted only at their neutral values (see the module docstring).
     logit_bias: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
         "logit_bias": (None, {}),
-        "presence_penalty": (None, 0),
-        "frequency_penalty": (None, 0),
-        "repetition_penalty": (None, 1),
     }
 
     @field_validator("stop", mode="before")
@@ -128,6 +129,9 @@ class GenerationFields(StrictModel):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=bool(self.ignore_eos),
             min_tokens=self.min_tokens or 0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logprobs=self.num_logprobs,
         )
 

@@ -31,6 +31,13 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings, excluded from the output
     stop_token_ids: list[int] = field(default_factory=list)  # extra ids that end generation
     ignore_eos: bool = False  # keep generating past the end-of-sequence token
+    # vLLM's penalties, applied to the raw logits before temperature: repetition divides a
+    # positive logit (multiplies a negative one) of every token in the prompt or the output by
+    # it (Keskar et al. 2019, CTRL; transformers' rule); presence subtracts itself from the
+    # logit of every token in the output, frequency itself times the token's count there
+    presence_penalty: float = 0.0  # in [-2, 2]; 0 disables
+    frequency_penalty: float = 0.0  # in [-2, 2]; 0 disables
+    repetition_penalty: float = 1.0  # > 0; 1 disables, above 1 discourages repeats
     num_speculative_tokens: int | None = None  # cap on drafts per step; 0 turns speculation off
     return_logits: bool = False  # hand back each generated token's raw logits (RequestOutput)
     # hand back each generated token's log-probability and the logprobs most likely tokens'
@@ -64,6 +71,20 @@ class SamplingParams:
             f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}",
         )
         _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(
+                isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and -2 <= value <= 2,
+                f"{name} must be a number in [-2, 2], got {value!r}",
+            )
+        _check(
+            isinstance(self.repetition_penalty, (int, float))
+            and not isinstance(self.repetition_penalty, bool)
+            and 0 < self.repetition_penalty < math.inf,
+            f"repetition_penalty must be a positive number, got {self.repetition_penalty!r}",
+        )
         _check(
             self.seed is None or isinstance(self.seed, int),
             f"seed must be an integer or None, got {self.seed!r}",
@@ -95,6 +116,12 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1
+        )
 
 
 @dataclass(slots=True)

@@ -95,6 +95,34 @@ def _top_k_top_p(
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def apply_penalties(
+    logits: torch.Tensor,  # [L, V] raw logits, penalised in place
+    params: Sequence[SamplingParams],  # [L] the request of each row
+    histories: Sequence[tuple[Sequence[int], Sequence[int]]],  # [L] (prompt, output before it)
+) -> None:
+    """vLLM's repetition, presence and frequency penalties on the rows that ask for them.
+
+    Repetition (Keskar et al. 2019, "CTRL", as transformers' ``RepetitionPenaltyLogitsProcessor``
+    applies it): a token of the prompt or of the output has a positive logit divided by the
+    penalty, a negative one multiplied by it. Presence and frequency (OpenAI's definitions, on
+    the output only): ``logit -= frequency * count + presence`` for every token generated before
+    the row. A row's history is that of plain decoding at its position, so that verification
+    (whose row ``j`` follows ``j`` drafts) decides the token plain decoding would.
+    """
+    for row, (p, (prompt, output)) in enumerate(zip(params, histories, strict=True)):
+        if p.repetition_penalty != 1:
+            seen = torch.tensor(sorted({*prompt, *output}), dtype=torch.long)
+            seen = seen.to(logits.device)
+            values = logits[row, seen]
+            logits[row, seen] = torch.where(
+                values > 0, values / p.repetition_penalty, values * p.repetition_penalty
+            )
+        if output and (p.presence_penalty or p.frequency_penalty):
+            ids, counts = torch.tensor(list(output), dtype=torch.long).unique(return_counts=True)
+            penalty = p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
+            logits[row, ids.to(logits.device)] -= penalty.to(logits.device)
+
+
 def next_tokens(
     logits: torch.Tensor,  # [N, V] raw logits
     params: Sequence[SamplingParams],  # [N] the request of each row

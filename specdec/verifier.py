@@ -46,7 +46,13 @@ import torch
 from specdec.kernels.rejection import verify_row_tokens_triton
 from specdec.outputs import TokenLogprobs
 from specdec.runner import StepResult
-from specdec.sampling import exponential_noise, next_tokens, process_logits_for, token_logprobs
+from specdec.sampling import (
+    apply_penalties,
+    exponential_noise,
+    next_tokens,
+    process_logits_for,
+    token_logprobs,
+)
 from specdec.scheduler import SchedulerOutput
 from specdec.sequence import Sequence
 from specdec.verify import BACKENDS
@@ -187,7 +193,7 @@ class Verifier:
         row_seqs = [seq for seq, n in zip(seqs, num_rows) for _ in range(n)]  # [M]
         row_j = [j for n in num_rows for j in range(n)]  # [M] draft position of each row
         rows = logits.clone()  # the step's raw logits stay as they are, for return_logits
-        _mask_early_stops(row_seqs, rows, row_j)
+        _constrain_rows(row_seqs, rows, row_j)
         sampled = [r for r, seq in enumerate(row_seqs) if not seq.params.is_greedy]
         noise = torch.ones_like(logits)  # greedy rows read no noise
         if sampled:
@@ -216,20 +222,35 @@ class Verifier:
         """The row token of each sequence at draft position ``j`` (its bonus row when ``j == k``):
         the token at position ``num_tokens + j`` of its token ids."""
         keys = [(seq.seed, seq.num_tokens + j) for seq in seqs]
-        _mask_early_stops(seqs, logits, [j] * len(seqs))
+        _constrain_rows(seqs, logits, [j] * len(seqs))
         return next_tokens(logits, [seq.params for seq in seqs], keys)
 
 
-def _mask_early_stops(
+def _constrain_rows(
     seqs: list[Sequence],  # [L] the sequence of each row
-    logits: torch.Tensor,  # [L, V]
+    logits: torch.Tensor,  # [L, V] raw logits, changed in place
     positions: list[int],  # [L] the draft position j of each row
 ) -> None:
-    """A sequence still short of its ``min_tokens`` at draft position ``j`` cannot end there:
-    its end-of-sequence and stop token ids get ``-inf`` logits in place, before any sampling
-    step, as transformers' ``MinNewTokensLengthLogitsProcessor`` and vLLM's ``min_tokens`` do."""
+    """What a request's parameters do to its raw logits before any sampling step, in place, at
+    draft position ``j`` (after the first ``j`` drafts, as plain decoding would have them).
+
+    A sequence still short of its ``min_tokens`` cannot end there: its end-of-sequence and stop
+    token ids get ``-inf`` logits, as transformers' ``MinNewTokensLengthLogitsProcessor`` and
+    vLLM's ``min_tokens`` do. Penalties follow (:func:`specdec.sampling.apply_penalties`)."""
+    penalised: list[int] = []
     for row, (seq, j) in enumerate(zip(seqs, positions)):
         params = seq.params
         if seq.num_output_tokens + j < params.min_tokens:
             eos = () if params.ignore_eos else seq.eos_token_ids
             logits[row, [*params.stop_token_ids, *eos]] = float("-inf")
+        if params.has_penalties:
+            penalised.append(row)
+    if penalised:
+        rows = [(seqs[r], positions[r]) for r in penalised]
+        histories = [
+            (seq.prompt_token_ids, seq.output_token_ids + seq.spec_token_ids[:j]) for seq, j in rows
+        ]
+        index = torch.tensor(penalised, device=logits.device)
+        chosen = logits[index]  # a copy: penalised, then written back
+        apply_penalties(chosen, [seq.params for seq, _ in rows], histories)
+        logits[index] = chosen

@@ -255,3 +255,20 @@ def test_speculative_server_streams_plain_decoding_output_and_counts_drafts(make
         extra_body={"num_speculative_tokens": 0},
     )
     assert off.choices[0].text == texts[0][: len(off.choices[0].text)]
+
+
+def test_penalties_reach_the_engine(served, offline):
+    penalties = {"presence_penalty": 0.7, "frequency_penalty": 0.4, "repetition_penalty": 1.2}
+    out = served.client().completions.create(
+        model=MODEL,
+        prompt="abcabcabc",
+        max_tokens=16,
+        temperature=0,
+        presence_penalty=0.7,
+        frequency_penalty=0.4,
+        extra_body={"repetition_penalty": 1.2, "ignore_eos": True},
+    )
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, **penalties)
+    unpenalised = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    expected, plain = offline.generate(["abcabcabc"] * 2, [params, unpenalised])
+    assert out.choices[0].text == expected.text != plain.text
