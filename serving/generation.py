@@ -73,9 +73,11 @@ class Generation:
         self._admitted = True
         try:
             ids = await self.state.engine.add(self.requests, self._outputs)
-        except ValueError as e:
+        except ValueError as e:  # the engine's checks: the prompt, or ids of the vocabulary
             self.close()
-            raise APIError(400, str(e), param=self.prompt_param) from e
+            field = str(e).split(" ")[0]
+            param = field if field in ("stop_token_ids", "logit_bias") else self.prompt_param
+            raise APIError(400, str(e), param=param) from e
         except EngineDeadError as e:
             self.close()
             raise APIError(503, str(e), type="server_error", code="engine_unavailable") from e

@@ -2,7 +2,7 @@
 
 Validation is strict, as OpenAI's own API is: ``"5"`` is not an integer and ``true`` is not 1.
 Fields this server does not know are ignored, as OpenAI-compatible servers do. Fields it knows but
-does not implement (``logit_bias``, tools, ...) are rejected when set to anything other than
+does not implement (tools, ``echo``, ...) are rejected when set to anything other than
 their neutral value, so that nobody silently gets less than they asked for. ``null`` means "the
 default" for every optional field.
 
@@ -76,11 +76,10 @@ class GenerationFields(StrictModel):
     # extra; divide a positive logit of a prompt or output token by it; None: 1 (off)
     repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)
 
+    logit_bias: dict[str, float] | None = None  # token id (a string) -> bias in [-100, 100]
+
     # Known but not implemented: accepted only at their neutral values (see the module docstring).
-    logit_bias: Any = None
-    NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "logit_bias": (None, {}),
-    }
+    NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -90,6 +89,16 @@ class GenerationFields(StrictModel):
         if value is None or (isinstance(value, list) and all(isinstance(s, str) for s in value)):
             return value
         raise ValueError("must be a string or a list of strings")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids_and_bounds(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (value or {}).items():
+            if not token.isdigit() or not token.isascii():
+                raise ValueError(f"keys must be token ids (non-negative integers), got {token!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"biases must lie in [-100, 100], got {bias!r} for {token}")
+        return value
 
     @field_validator("*")
     @classmethod
@@ -132,6 +141,7 @@ class GenerationFields(StrictModel):
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias={int(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None,
             logprobs=self.num_logprobs,
         )
 

@@ -38,6 +38,9 @@ class SamplingParams:
     presence_penalty: float = 0.0  # in [-2, 2]; 0 disables
     frequency_penalty: float = 0.0  # in [-2, 2]; 0 disables
     repetition_penalty: float = 1.0  # > 0; 1 disables, above 1 discourages repeats
+    # added to the raw logits of these token ids before anything else, as OpenAI's logit_bias
+    # (values in [-100, 100]: -100 bans a token, 100 all but forces it)
+    logit_bias: dict[int, float] | None = None
     num_speculative_tokens: int | None = None  # cap on drafts per step; 0 turns speculation off
     return_logits: bool = False  # hand back each generated token's raw logits (RequestOutput)
     # hand back each generated token's log-probability and the logprobs most likely tokens'
@@ -79,6 +82,22 @@ class SamplingParams:
                 and -2 <= value <= 2,
                 f"{name} must be a number in [-2, 2], got {value!r}",
             )
+        _check(
+            self.logit_bias is None
+            or (
+                isinstance(self.logit_bias, dict)
+                and all(
+                    isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                    for t in self.logit_bias
+                )
+                and all(
+                    isinstance(b, (int, float)) and not isinstance(b, bool) and -100 <= b <= 100
+                    for b in self.logit_bias.values()
+                )
+            ),
+            "logit_bias must map non-negative token ids to numbers in [-100, 100], got "
+            f"{self.logit_bias!r}",
+        )
         _check(
             isinstance(self.repetition_penalty, (int, float))
             and not isinstance(self.repetition_penalty, bool)

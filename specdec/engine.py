@@ -84,6 +84,12 @@ class Engine:
             )
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", params.logit_bias or {}),
+        ):
+            if any(t >= self.vocab_size for t in ids):  # SamplingParams refused negative ones
+                raise ValueError(f"{name} token ids must lie in [0, {self.vocab_size})")
         seq = Sequence(next(self._ids), list(prompt_token_ids), n, params, self.eos_token_ids)
         self.requests[seq.seq_id] = seq
         self.scheduler.add(seq)

@@ -234,12 +234,17 @@ def _constrain_rows(
     """What a request's parameters do to its raw logits before any sampling step, in place, at
     draft position ``j`` (after the first ``j`` drafts, as plain decoding would have them).
 
-    A sequence still short of its ``min_tokens`` cannot end there: its end-of-sequence and stop
-    token ids get ``-inf`` logits, as transformers' ``MinNewTokensLengthLogitsProcessor`` and
-    vLLM's ``min_tokens`` do. Penalties follow (:func:`specdec.sampling.apply_penalties`)."""
+    ``logit_bias`` is added first. A sequence still short of its ``min_tokens`` cannot end
+    there: its end-of-sequence and stop token ids get ``-inf`` logits, as transformers'
+    ``MinNewTokensLengthLogitsProcessor`` and vLLM's ``min_tokens`` do. Penalties follow
+    (:func:`specdec.sampling.apply_penalties`)."""
     penalised: list[int] = []
     for row, (seq, j) in enumerate(zip(seqs, positions)):
         params = seq.params
+        if params.logit_bias:
+            ids = torch.tensor(list(params.logit_bias), device=logits.device)
+            bias = torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype)
+            logits[row, ids] += bias.to(logits.device)
         if seq.num_output_tokens + j < params.min_tokens:
             eos = () if params.ignore_eos else seq.eos_token_ids
             logits[row, [*params.stop_token_ids, *eos]] = float("-inf")

@@ -116,3 +116,42 @@ def test_the_one_launch_verifier_penalises_as_the_walk(make_llm):
 def test_bad_penalties_are_refused(field, bad):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: bad})
+
+
+def test_logit_bias_forces_and_bans_tokens_the_same_with_a_drafter(make_llm):
+    plain = make_llm()
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    first = plain.generate(PROMPTS[2], greedy)[0].token_ids
+    forced = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias={42: 100})
+    assert plain.generate(PROMPTS[2], forced)[0].token_ids == [42] * 12
+    banned = {t: -100 for t in set(first)}
+    params = [
+        SamplingParams(temperature=t, seed=1, max_tokens=20, ignore_eos=True, logit_bias=banned)
+        for t in (0.0, 1.0)
+    ]
+    out = plain.generate([PROMPTS[2]] * 2, params)
+    assert all(not set(o.token_ids) & set(first) for o in out)
+    lookup = make_llm(
+        speculative={"drafter": "prompt_lookup", "num_speculative_tokens": 5, "adaptive": False}
+    )
+    assert [o.token_ids for o in lookup.generate([PROMPTS[2]] * 2, params)] == [
+        o.token_ids for o in out
+    ]
+
+
+@pytest.mark.parametrize("field", ["stop_token_ids", "logit_bias"])
+def test_token_ids_beyond_the_vocabulary_are_refused_before_any_step(make_llm, field):
+    """A stop id past the vocabulary once reached the logits (with min_tokens) as an IndexError
+    inside a step, which in the server ended the engine thread."""
+    llm = make_llm()
+    value = [300] if field == "stop_token_ids" else {300: 1.0}
+    params = SamplingParams(max_tokens=4, min_tokens=2, **{field: value})
+    with pytest.raises(ValueError, match=rf"{field} token ids must lie in \[0, 300\)"):
+        llm.generate([1, 2, 3], params)
+    assert llm.generate([1, 2, 3], SamplingParams(max_tokens=2))[0].token_ids  # still serving
+
+
+@pytest.mark.parametrize("bad", [{-1: 1.0}, {5: 101}, {5: float("nan")}, {"5": 1.0}, [5]])
+def test_bad_logit_bias_is_refused(bad):
+    with pytest.raises(ValueError, match="logit_bias must map non-negative token ids"):
+        SamplingParams(logit_bias=bad)

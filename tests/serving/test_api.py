@@ -272,3 +272,10 @@ def test_penalties_reach_the_engine(served, offline):
     unpenalised = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     expected, plain = offline.generate(["abcabcabc"] * 2, [params, unpenalised])
     assert out.choices[0].text == expected.text != plain.text
+
+
+def test_logit_bias_reaches_the_engine(served):
+    out = served.client().completions.create(
+        model=MODEL, prompt="abc", max_tokens=6, temperature=0, logit_bias={"65": 100}
+    )
+    assert out.choices[0].text == byte_tokenizer().decode([65]) * 6
