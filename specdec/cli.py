@@ -29,6 +29,15 @@ def main() -> None:
 @click.option("--top-p", default=1.0, show_default=True, type=float)
 @click.option("--top-k", default=0, show_default=True, type=int)
 @click.option("--seed", default=None, type=int, help="Per-request seed for reproducible sampling.")
+@click.option("--repetition-penalty", default=1.0, show_default=True, type=float)
+@click.option("--presence-penalty", default=0.0, show_default=True, type=float)
+@click.option("--frequency-penalty", default=0.0, show_default=True, type=float)
+@click.option(
+    "--logprobs",
+    default=None,
+    type=int,
+    help="Print each token's logprob and this many most likely tokens' (0-20).",
+)
 @click.option("--raw", is_flag=True, help="Use prompts as raw text (skip the chat template).")
 @speculation_options
 @click.option("--stats", is_flag=True, help="Print the speculation summary.")
@@ -83,6 +92,14 @@ def generate(
             f"### {prompt}\n{out.text.strip()}\n[{len(out.token_ids)} tokens, "
             f"finish_reason={out.finish_reason}]\n"
         )
+        for lp in out.logprobs or []:
+            top = ", ".join(f"{llm.tokenizer.decode([t])!r} {v:.3f}" for t, v in lp.top)
+            token = llm.tokenizer.decode([lp.token_id])
+            click.echo(
+                f"  {token!r} {lp.logprob:.3f} (rank {lp.rank})" + (f"  [{top}]" if top else "")
+            )
+        if out.logprobs:
+            click.echo("")
     num_tokens = sum(len(o.token_ids) for o in outputs)
     click.echo(
         f"{num_tokens} tokens in {elapsed:.2f} s ({num_tokens / elapsed:.1f} tokens/s)", err=True

@@ -1,6 +1,7 @@
 """The embedded default model (SmolLM2-135M-Instruct): greedy output equals transformers'."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -94,6 +95,12 @@ def test_cli_generate_prints_completions():
     result = CliRunner().invoke(main, ["generate", "--max-tokens", "12", "What is 2+2?"])
     assert result.exit_code == 0, result.output
     assert "### What is 2+2?" in result.output and "finish_reason=" in result.output
+    args = ["generate", "--raw", "--max-tokens", "3", "--logprobs", "2", "--repetition-penalty"]
+    result = CliRunner().invoke(main, [*args, "1.2", "The capital of France is"])
+    assert result.exit_code == 0, result.output
+    assert re.search(
+        r"' Paris' -0\.2\d\d \(rank 1\)  \[' Paris' -0\.2\d\d, ' the' -2", result.output
+    )
 
 
 def test_cli_reports_bad_input_cleanly(tmp_path):
@@ -101,6 +108,8 @@ def test_cli_reports_bad_input_cleanly(tmp_path):
     assert result.exit_code != 0 and "Error:" in result.output and "nope" in result.output
     result = CliRunner().invoke(main, ["generate", "--max-tokens", "0", "hi"])
     assert result.exit_code != 0 and "max_tokens must be at least 1" in result.output
+    result = CliRunner().invoke(main, ["generate", "--presence-penalty", "3", "hi"])
+    assert result.exit_code != 0 and "presence_penalty must be a number in [-2, 2]" in result.output
     result = CliRunner().invoke(main, ["generate", "--batch-invariant", "hi"])  # float32
     assert result.exit_code != 0 and "batch-invariant kernels need bfloat16" in result.output
 
