@@ -196,7 +196,8 @@ def merge_delta(total: RequestOutput, delta: RequestOutput) -> None:
         parts = [delta.logits] if total.logits is None else [total.logits, delta.logits]
         total.logits = torch.cat(parts)
     if delta.logprobs is not None:
-        total.logprobs = (total.logprobs or []) + delta.logprobs
+        total.logprobs = total.logprobs if total.logprobs is not None else []
+        total.logprobs.extend(delta.logprobs)
     total.finished, total.finish_reason, total.metrics = (
         delta.finished,
         delta.finish_reason,

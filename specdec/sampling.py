@@ -96,11 +96,12 @@ def _top_k_top_p(
 
 
 def apply_penalties(
-    logits: torch.Tensor,  # [L, V] raw logits, penalised in place
-    params: Sequence[SamplingParams],  # [L] the request of each row
-    histories: Sequence[tuple[Sequence[int], Sequence[int]]],  # [L] (prompt, output before it)
+    logits: torch.Tensor,  # [V] one row's raw logits, penalised in place
+    params: SamplingParams,  # the row's request
+    prompt: Sequence[int],  # its prompt
+    output: Sequence[int],  # the tokens generated before the row
 ) -> None:
-    """vLLM's repetition, presence and frequency penalties on the rows that ask for them.
+    """vLLM's repetition, presence and frequency penalties on one row.
 
     Repetition (Keskar et al. 2019, "CTRL", as transformers' ``RepetitionPenaltyLogitsProcessor``
     applies it): a token of the prompt or of the output has a positive logit divided by the
@@ -109,18 +110,15 @@ def apply_penalties(
     the row. A row's history is that of plain decoding at its position, so that verification
     (whose row ``j`` follows ``j`` drafts) decides the token plain decoding would.
     """
-    for row, (p, (prompt, output)) in enumerate(zip(params, histories, strict=True)):
-        if p.repetition_penalty != 1:
-            seen = torch.tensor(sorted({*prompt, *output}), dtype=torch.long)
-            seen = seen.to(logits.device)
-            values = logits[row, seen]
-            logits[row, seen] = torch.where(
-                values > 0, values / p.repetition_penalty, values * p.repetition_penalty
-            )
-        if output and (p.presence_penalty or p.frequency_penalty):
-            ids, counts = torch.tensor(list(output), dtype=torch.long).unique(return_counts=True)
-            penalty = p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
-            logits[row, ids.to(logits.device)] -= penalty.to(logits.device)
+    device = logits.device
+    if params.repetition_penalty != 1:
+        seen = torch.tensor(sorted({*prompt, *output}), dtype=torch.long).to(device)
+        values, penalty = logits[seen], params.repetition_penalty
+        logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
+    if output and (params.presence_penalty or params.frequency_penalty):
+        ids, counts = torch.tensor(list(output), dtype=torch.long).unique(return_counts=True)
+        amount = params.frequency_penalty * counts.to(logits.dtype) + params.presence_penalty
+        logits[ids.to(device)] -= amount.to(device)
 
 
 def next_tokens(

@@ -238,7 +238,6 @@ def _constrain_rows(
     there: its end-of-sequence and stop token ids get ``-inf`` logits, as transformers'
     ``MinNewTokensLengthLogitsProcessor`` and vLLM's ``min_tokens`` do. Penalties follow
     (:func:`specdec.sampling.apply_penalties`)."""
-    penalised: list[int] = []
     for row, (seq, j) in enumerate(zip(seqs, positions)):
         params = seq.params
         if params.logit_bias:
@@ -248,14 +247,6 @@ def _constrain_rows(
         if seq.num_output_tokens + j < params.min_tokens:
             eos = () if params.ignore_eos else seq.eos_token_ids
             logits[row, [*params.stop_token_ids, *eos]] = float("-inf")
-        if params.has_penalties:
-            penalised.append(row)
-    if penalised:
-        rows = [(seqs[r], positions[r]) for r in penalised]
-        histories = [
-            (seq.prompt_token_ids, seq.output_token_ids + seq.spec_token_ids[:j]) for seq, j in rows
-        ]
-        index = torch.tensor(penalised, device=logits.device)
-        chosen = logits[index]  # a copy: penalised, then written back
-        apply_penalties(chosen, [seq.params for seq, _ in rows], histories)
-        logits[index] = chosen
+        if params.has_penalties:  # the drafts before row j count as generated
+            output = seq.output_token_ids + seq.spec_token_ids[:j]
+            apply_penalties(logits[row], params, seq.prompt_token_ids, output)
