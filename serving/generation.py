@@ -10,10 +10,11 @@ disconnects first.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import Request
@@ -42,6 +43,9 @@ class Choice:
     num_tokens: int = 0  # generated tokens so far
     finish_reason: str | None = None  # set when it finished
     logprobs: list[TokenLogprobs] | None = None  # per token, when the request asked for them
+    prompt_token_ids: list[int] = field(default_factory=list)  # the prompt, as tokens
+    # per prompt token (the first None), when the request asked for them (completions' echo)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class Generation:
@@ -53,11 +57,15 @@ class Generation:
         requests: list[GenerationRequest],
         num_prompt_tokens: int,
         prompt_param: str,
+        discard_output: bool = False,
     ):
+        """``discard_output``: show no generated token (``max_tokens`` 0 with echo: the engine
+        generates one, as it must, and it is dropped)."""
         self.state = state
         self.requests = requests  # one per choice, in choice order
         self.num_prompt_tokens = num_prompt_tokens  # over distinct prompts (usage counts them once)
         self.prompt_param = prompt_param  # the field a refused prompt is reported under
+        self.discard_output = discard_output
         self.choices = [Choice() for _ in requests]
         self.arrival_time = time.perf_counter()
         self._outputs: asyncio.Queue = asyncio.Queue()
@@ -95,13 +103,21 @@ class Generation:
             if isinstance(item, BaseException):
                 raise APIError(503, f"Generation failed: {item}", "server_error") from item
             i = self._index[item.request_id]
+            self._trackers[i].observe(item)
+            if self.discard_output:
+                logprobs: list[TokenLogprobs] | None = None if item.logprobs is None else []
+                item = dataclasses.replace(
+                    item, token_ids=[], text="", logprobs=logprobs, finish_reason="length"
+                )
             choice = self.choices[i]
+            choice.prompt_token_ids = item.prompt_token_ids
+            if item.prompt_logprobs is not None:
+                choice.prompt_logprobs = item.prompt_logprobs
             choice.text += item.text
             choice.num_tokens += len(item.token_ids)
             if item.logprobs is not None:
                 choice.logprobs = choice.logprobs or []
                 choice.logprobs.extend(item.logprobs)
-            self._trackers[i].observe(item)
             if item.finished:
                 choice.finish_reason = item.finish_reason
                 self._num_unfinished -= 1

@@ -3,7 +3,8 @@
 A token's text is the tokenizer's decoding of that token alone, and its ``bytes`` that text's
 UTF-8 encoding, as vLLM reports them: a token holding part of a multi-byte character decodes to
 U+FFFD. Completions' ``text_offset`` counts characters of those texts from the choice's first
-token, so the offsets of a streamed choice continue from chunk to chunk.
+token, so the offsets of a streamed choice continue from chunk to chunk. An echoed prompt's tokens
+come first, the first of them with null logprobs (nothing precedes it), as in OpenAI's and vLLM's.
 """
 
 from __future__ import annotations
@@ -29,29 +30,32 @@ class TokenTexts:
 
 
 def completion_logprobs(
-    logprobs: list[TokenLogprobs], texts: TokenTexts, offset: int = 0
+    token_ids: list[int], logprobs: list[TokenLogprobs | None], texts: TokenTexts, offset: int = 0
 ) -> CompletionLogprobs:
-    """``logprobs`` as a legacy completion's, its first token's text starting at ``offset``."""
-    tokens = [texts(lp.token_id) for lp in logprobs]
+    """The tokens' logprobs as a legacy completion's, the first token's text starting at
+    ``offset``; a token without logprobs (an echoed prompt's first) gets nulls."""
+    tokens = [texts(t) for t in token_ids]
     starts = []
     for token in tokens:
         starts.append(offset)
         offset += len(token)
     top = [
-        {texts(token_id): value for token_id, value in (*lp.top, (lp.token_id, lp.logprob))}
+        None
+        if lp is None
+        else {texts(token_id): value for token_id, value in (*lp.top, (lp.token_id, lp.logprob))}
         for lp in logprobs
     ]
     return CompletionLogprobs(
         tokens=tokens,
-        token_logprobs=[lp.logprob for lp in logprobs],
+        token_logprobs=[None if lp is None else lp.logprob for lp in logprobs],
         top_logprobs=top,
         text_offset=starts,
     )
 
 
-def text_length(logprobs: list[TokenLogprobs], texts: TokenTexts) -> int:
+def text_length(token_ids: list[int], texts: TokenTexts) -> int:
     """Characters the tokens' texts hold: where the next token's ``text_offset`` starts."""
-    return sum(len(texts(lp.token_id)) for lp in logprobs)
+    return sum(len(texts(t)) for t in token_ids)
 
 
 def chat_logprobs(logprobs: list[TokenLogprobs], texts: TokenTexts) -> ChatLogprobs:

@@ -2,7 +2,7 @@
 
 Validation is strict, as OpenAI's own API is: ``"5"`` is not an integer and ``true`` is not 1.
 Fields this server does not know are ignored, as OpenAI-compatible servers do. Fields it knows but
-does not implement (tools, ``echo``, ...) are rejected when set to anything other than
+does not implement (tools, ``best_of``, ...) are rejected when set to anything other than
 their neutral value, so that nobody silently gets less than they asked for. ``null`` means "the
 default" for every optional field.
 
@@ -110,7 +110,7 @@ class GenerationFields(StrictModel):
 
     @property
     def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+        return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
 
     @property
     def include_usage(self) -> bool:
@@ -119,6 +119,11 @@ class GenerationFields(StrictModel):
     @property
     def num_logprobs(self) -> int | None:
         """Alternatives per token to return with each token's logprob; None: no logprobs."""
+        return None
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token to return with its logprob; None: none."""
         return None
 
     def sampling_params(self, max_tokens: int, choice: int = 0) -> SamplingParams:
@@ -143,6 +148,7 @@ class GenerationFields(StrictModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias={int(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None,
             logprobs=self.num_logprobs,
+            prompt_logprobs=self.num_prompt_logprobs,
         )
 
 
@@ -152,12 +158,13 @@ class CompletionRequest(GenerationFields):
     prompt: list[str | list[int]]  # a string, a list of strings, token ids or token-id lists
     # each token's logprob and this many most likely tokens' (legacy completions' format)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: Any = None
+    # start each choice's text (and its logprobs, the prompt tokens' included) with the prompt
+    echo: bool | None = None
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: score the prompt, generate none
     suffix: Any = None
     best_of: Any = None
     NEUTRAL = {
         **GenerationFields.NEUTRAL,
-        "echo": (None, False),
         "suffix": (None, ""),
         "best_of": (None, 1),
     }
@@ -178,6 +185,10 @@ class CompletionRequest(GenerationFields):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
 
 
 class ChatMessage(StrictModel):

@@ -2,7 +2,8 @@
 
 A full response is built once every choice has finished. A stream sends a chunk per delta that
 carries text or a finish reason (deltas whose text is held back, e.g. a possible stop string, send
-nothing); chat streams first open each choice with its role, as OpenAI does.
+nothing); chat streams first open each choice with its role, as OpenAI does. A completion with
+``echo`` starts each choice's text, and its logprobs, with the prompt's.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from specdec.serving.generation import Generation
+from specdec.outputs import TokenLogprobs
+from specdec.serving.generation import Choice, Generation
 from specdec.serving.logprobs import chat_logprobs, completion_logprobs, text_length
 from specdec.serving.responses import (
     AssistantMessage,
@@ -39,17 +41,22 @@ class ResponseMeta:
         self.id = self.id or new_id(self.prefix)
 
 
-def completion_response(generation: Generation, meta: ResponseMeta) -> CompletionResponse:
+def completion_response(
+    generation: Generation, meta: ResponseMeta, echo: list[str] | None = None
+) -> CompletionResponse:
+    """The full response; ``echo``: each choice's prompt text, to start its text with."""
     texts = generation.state.token_texts
-    choices = [
-        CompletionChoice(
-            index=i,
-            text=c.text,
-            logprobs=None if c.logprobs is None else completion_logprobs(c.logprobs, texts),
-            finish_reason=c.finish_reason,
+    choices = []
+    for i, c in enumerate(generation.choices):
+        logprobs = None
+        if c.logprobs is not None:
+            token_ids, lps = _echoed(c, echo is not None)
+            token_ids += [lp.token_id for lp in c.logprobs]
+            logprobs = completion_logprobs(token_ids, [*lps, *c.logprobs], texts)
+        text = c.text if echo is None else echo[i] + c.text
+        choices.append(
+            CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=c.finish_reason)
         )
-        for i, c in enumerate(generation.choices)
-    ]
     return CompletionResponse(
         id=meta.id,
         created=meta.created,
@@ -60,8 +67,14 @@ def completion_response(generation: Generation, meta: ResponseMeta) -> Completio
 
 
 async def completion_chunks(
-    generation: Generation, meta: ResponseMeta, include_usage: bool
+    generation: Generation,
+    meta: ResponseMeta,
+    include_usage: bool,
+    echo: list[str] | None = None,
 ) -> AsyncIterator[CompletionResponse]:
+    """The stream; with ``echo`` a choice's first chunk starts with its prompt (and the prompt
+    tokens' logprobs, which come with its first delta)."""
+
     def chunk(choices: list[CompletionChoice]) -> CompletionResponse:
         return CompletionResponse(
             id=meta.id, created=meta.created, model=meta.model, choices=choices
@@ -69,22 +82,37 @@ async def completion_chunks(
 
     texts = generation.state.token_texts
     offsets = [0] * len(generation.choices)  # each choice's text_offset so far
+    echoed = [echo is None] * len(generation.choices)  # the prompt sent (or not to be sent)
     async for i, delta in generation.deltas():
-        if delta.text or delta.finished or delta.logprobs:
+        prompt_text = ""
+        token_ids: list[int] = []
+        lps: list[TokenLogprobs | None] = []
+        if not echoed[i] and echo is not None:
+            echoed[i] = True
+            prompt_text = echo[i]
+            token_ids, lps = _echoed(generation.choices[i], True)
+        if prompt_text or delta.text or delta.finished or delta.logprobs:
             reason = delta.finish_reason if delta.finished else None
             logprobs = None
             if delta.logprobs is not None:
-                logprobs = completion_logprobs(delta.logprobs, texts, offsets[i])
-                offsets[i] += text_length(delta.logprobs, texts)
+                token_ids += [lp.token_id for lp in delta.logprobs]
+                logprobs = completion_logprobs(
+                    token_ids, [*lps, *delta.logprobs], texts, offsets[i]
+                )
+                offsets[i] += text_length(token_ids, texts)
+            text = prompt_text + delta.text
             yield chunk(
-                [
-                    CompletionChoice(
-                        index=i, text=delta.text, logprobs=logprobs, finish_reason=reason
-                    )
-                ]
+                [CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=reason)]
             )
     if include_usage:
         yield chunk([]).model_copy(update={"usage": generation.usage()})
+
+
+def _echoed(choice: Choice, echo: bool) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """The prompt's token ids and logprobs that start an echoed choice's logprobs."""
+    if not echo or choice.prompt_logprobs is None:
+        return [], []
+    return list(choice.prompt_token_ids), list(choice.prompt_logprobs)
 
 
 def chat_response(generation: Generation, meta: ResponseMeta) -> ChatCompletionResponse:

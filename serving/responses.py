@@ -29,18 +29,19 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """The legacy completions' logprobs: one entry per generated token in every list."""
+    """The legacy completions' logprobs: one entry per token in every list (with echo, the
+    prompt's tokens first; the first prompt token's logprob and alternatives are null)."""
 
     tokens: list[str]  # each token's text
-    token_logprobs: list[float]  # its log-probability
+    token_logprobs: list[float | None]  # its log-probability
     # the `logprobs` most likely tokens' texts and log-probabilities, and the token's own
-    top_logprobs: list[dict[str, float]]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]  # where each token's text starts, in characters from the choice's
 
 
 class CompletionChoice(BaseModel):
     index: int  # position in choices: prompt index x n + choice number
-    text: str  # the generated text (a delta when streamed)
+    text: str  # the generated text, after the prompt with echo (a delta when streamed)
     logprobs: CompletionLogprobs | None = None  # when the request set logprobs
     finish_reason: str | None = None  # "stop" or "length"; None while streaming
 

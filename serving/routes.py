@@ -73,11 +73,21 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     state = server_state(request)
     check_model(state, body.model)
     check_stops(state, body)
+    if body.requested_max_tokens == 0 and not body.echo:
+        message = "max_tokens may be 0 only with echo set to true (to score the prompt alone)"
+        raise APIError(400, message, param="max_tokens")
     prompts = [await tokenize(state, prompt, "prompt") for prompt in body.prompt]
     generation = make_generation(state, body, prompts, "prompt")
+    echo = None
+    if body.echo:  # each choice's text starts with its prompt's (token ids are decoded)
+        texts = [
+            p if isinstance(p, str) else await asyncio.to_thread(state.llm.decode, p)
+            for p in body.prompt
+        ]
+        echo = [text for text in texts for _ in range(body.n or 1)]
     meta = ResponseMeta("cmpl", state.model_name)
-    full = partial(completion_response, generation, meta)
-    chunks = partial(completion_chunks, generation, meta, body.include_usage)
+    full = partial(completion_response, generation, meta, echo)
+    chunks = partial(completion_chunks, generation, meta, body.include_usage, echo)
     return await respond(request, generation, bool(body.stream), full, chunks)
 
 
@@ -148,17 +158,20 @@ async def tokenize(state: ServerState, prompt: str | list[int], param: str) -> l
 def make_generation(
     state: ServerState, body: GenerationFields, prompts: list[list[int]], prompt_param: str
 ) -> Generation:
-    """One request per prompt and choice (prompt-major), with max_tokens fitted to the context."""
+    """One request per prompt and choice (prompt-major), with max_tokens fitted to the context
+    (``max_tokens`` 0, allowed with echo, generates one token that the generation drops)."""
     requests = []
     for prompt in prompts:
         max_tokens = fit_max_tokens(body, len(prompt), state.llm.engine.max_model_len)
         for choice in range(body.n or 1):
             try:
-                params = body.sampling_params(max_tokens, choice)
+                params = body.sampling_params(max(max_tokens, 1), choice)
             except ValueError as e:
                 raise APIError(400, str(e), param=str(e).split(" ")[0]) from e
             requests.append(GenerationRequest(prompt, params, body.num_speculative_tokens))
-    return Generation(state, requests, sum(len(p) for p in prompts), prompt_param)
+    num_prompt_tokens = sum(len(p) for p in prompts)
+    discard = body.requested_max_tokens == 0
+    return Generation(state, requests, num_prompt_tokens, prompt_param, discard)
 
 
 def fit_max_tokens(body: GenerationFields, num_prompt_tokens: int, max_model_len: int) -> int:

@@ -47,6 +47,10 @@ class SamplingParams:
     # (0: the chosen token's alone; None: none), from the model's raw distribution, before
     # temperature or top-k/p (vLLM's default); see RequestOutput.logprobs
     logprobs: int | None = None
+    # hand back each prompt token's log-probability given the tokens before it, and the
+    # prompt_logprobs most likely tokens' there (vLLM's option; the first token has none); a
+    # request that asks is not served from the prefix cache, whose positions compute nothing
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -118,15 +122,17 @@ class SamplingParams:
             f"num_speculative_tokens must be a non-negative integer, got "
             f"{self.num_speculative_tokens!r}",
         )
-        _check(
-            self.logprobs is None
-            or (
-                isinstance(self.logprobs, int)
-                and not isinstance(self.logprobs, bool)
-                and 0 <= self.logprobs <= MAX_LOGPROBS
-            ),
-            f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(
+                value is None
+                or (
+                    isinstance(value, int)
+                    and not isinstance(value, bool)
+                    and 0 <= value <= MAX_LOGPROBS
+                ),
+                f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}",
+            )
         _check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}",

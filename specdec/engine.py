@@ -123,6 +123,8 @@ class Engine:
         start = time.perf_counter()
         hidden = self.drafter is not None and self.drafter.needs_token_hidden_states
         res = self.runner.run(out, keep_token_hidden_states=hidden)
+        for i, lps in res.prompt_logprobs.items():
+            out.seqs[i].prompt_logprobs += lps
         verification = self.verifier.verify(out, res)
         if self.policy is not None and out.total_tokens == len(res.logits):  # decode/verify only
             padded = len(out.seqs) * max(out.num_scheduled_tokens)  # attention pads to this
@@ -169,6 +171,9 @@ class Engine:
         ``logprobs``: those of this step's emitted tokens, of which the kept ones are handed
         back (a stop ends a step's tokens early)."""
         text = self.detokenizer.step(seq, self.scheduler)
+        prompt_logprobs = None
+        if seq.params.prompt_logprobs is not None and seq.num_returned_tokens == 0:
+            prompt_logprobs = [None, *seq.prompt_logprobs]  # the first delta carries them
         new_tokens = seq.output_token_ids[seq.num_returned_tokens :]
         seq.num_returned_tokens = seq.num_output_tokens
         if seq.is_finished:
@@ -183,6 +188,7 @@ class Engine:
             seq.metrics,
             None if logits is None else logits[: len(new_tokens)],
             None if logprobs is None else logprobs[: len(new_tokens)],
+            prompt_logprobs,
         )
 
 

@@ -169,6 +169,10 @@ class LLM:
             return list(self.tokenizer.encode(prompt, add_special_tokens=False))
         return list(prompt)
 
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids``, special tokens kept (the inverse of :meth:`encode`)."""
+        return str(self.tokenizer.decode(token_ids))
+
     def _add(self, prompt: Prompt, params: SamplingParams) -> int:
         return self.engine.add_request(self.encode(prompt), params)
 
@@ -198,6 +202,8 @@ def merge_delta(total: RequestOutput, delta: RequestOutput) -> None:
     if delta.logprobs is not None:
         total.logprobs = total.logprobs if total.logprobs is not None else []
         total.logprobs.extend(delta.logprobs)
+    if delta.prompt_logprobs is not None:
+        total.prompt_logprobs = delta.prompt_logprobs
     total.finished, total.finish_reason, total.metrics = (
         delta.finished,
         delta.finish_reason,

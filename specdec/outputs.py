@@ -11,9 +11,10 @@ from specdec.sequence import SequenceMetrics
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprobs:
-    """A generated token's log-probability under the model, and the most likely tokens' at its
-    position (``SamplingParams.logprobs`` of them, most likely first): the log-softmax of the
-    raw logits the token was decided from, the same row with or without speculation."""
+    """A token's log-probability under the model, and the most likely tokens' at its position
+    (``SamplingParams.logprobs`` or ``prompt_logprobs`` of them, most likely first): the
+    log-softmax of the raw logits the token was decided from (for a generated token, the same
+    row with or without speculation; for a prompt token, the row of the token before it)."""
 
     token_id: int
     logprob: float
@@ -41,3 +42,6 @@ class RequestOutput:
     logits: torch.Tensor | None = None
     # one per generated token, when SamplingParams.logprobs is set; else None
     logprobs: list[TokenLogprobs] | None = None
+    # one per prompt token, the first None (nothing precedes it), when
+    # SamplingParams.prompt_logprobs is set; in a stream, only the first delta carries them
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -19,9 +19,12 @@ import torch
 
 from specdec.attention import AttentionMetadata
 from specdec.models.llama import LlamaForCausalLM
+from specdec.outputs import TokenLogprobs
+from specdec.sampling import token_logprobs
 from specdec.scheduler import SchedulerOutput
 
 ATTENTION_BACKEND_ENV = "SPECDEC_ATTENTION_BACKEND"  # "triton": the CUDA path on the CPU, for tests
+PROMPT_LOGPROB_ROWS = 256  # prompt rows given logits at once ([256, V] float32: 50 MB at V=49k)
 
 
 @dataclass(slots=True)
@@ -36,6 +39,9 @@ class StepResult:
     # [N, hidden] final hidden state at every query token of the step, in batch order (each
     # sequence's num_scheduled_tokens rows); None unless the drafter asked for it
     token_hidden_states: torch.Tensor | None = None
+    # index into SchedulerOutput.seqs -> the logprobs of the prompt tokens this step's chunk
+    # decided (SamplingParams.prompt_logprobs), continuing the sequence's prompt_logprobs
+    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -171,7 +177,32 @@ class ModelRunner:
         logits, hidden, token_hidden = self.forward(chunks)
         kept = token_hidden if keep_token_hidden_states else None
         starts = [c.start for c in chunks]
-        return StepResult(logits, hidden, sample_indices, num_logit_rows, starts, kept)
+        prompt = self._prompt_logprobs(out, token_hidden)
+        return StepResult(logits, hidden, sample_indices, num_logit_rows, starts, kept, prompt)
+
+    @torch.inference_mode()
+    def _prompt_logprobs(
+        self, out: SchedulerOutput, token_hidden: torch.Tensor
+    ) -> dict[int, list[TokenLogprobs]]:
+        """The logprobs of the prompt tokens whose preceding position this step computed, for
+        sequences that asked (positions already scored before a preemption are skipped)."""
+        result: dict[int, list[TokenLogprobs]] = {}
+        end_row = 0  # flat row after the sequence's last query token
+        for i, (seq, n) in enumerate(zip(out.seqs, out.num_scheduled_tokens)):
+            end_row += n
+            num_top = seq.params.prompt_logprobs
+            if num_top is None or not seq.needs_prompt_logprobs:
+                continue
+            start = seq.num_computed_tokens
+            row_of = end_row - n - start  # + position = the position's row
+            first = max(start, len(seq.prompt_logprobs))  # the position deciding token first + 1
+            end = min(start + n, seq.num_prompt_tokens - 1)
+            lps = result[i] = []
+            for a in range(first, end, PROMPT_LOGPROB_ROWS):
+                b = min(a + PROMPT_LOGPROB_ROWS, end)
+                logits = self.model.compute_logits(token_hidden[row_of + a : row_of + b])
+                lps += token_logprobs(logits, seq.token_ids[a + 1 : b + 1], num_top)
+        return result
 
     @torch.inference_mode()
     def forward(self, chunks: list[QueryChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

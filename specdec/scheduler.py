@@ -112,7 +112,7 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Tokens a waiting sequence can run now (0: not yet), after prefix-cache hits."""
         bm = self.block_manager
-        if not seq.block_table:
+        if not seq.block_table and not seq.needs_prompt_logprobs:
             bm.match_prefix(seq)
         num_tokens = min(seq.num_uncomputed_tokens, budget)
         if not bm.can_allocate(seq, seq.num_computed_tokens + num_tokens):

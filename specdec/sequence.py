@@ -19,10 +19,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from specdec.config import SamplingParams
+
+if TYPE_CHECKING:
+    from specdec.outputs import TokenLogprobs
 
 
 class SequenceStatus(enum.Enum):
@@ -69,6 +73,8 @@ class Sequence:
     num_returned_tokens: int = 0  # output tokens already handed back in deltas
     output_text: str = ""  # detokenized output so far (stop strings already cut off)
     metrics: SequenceMetrics = field(default_factory=SequenceMetrics)
+    # with SamplingParams.prompt_logprobs: entry i is prompt token i + 1's, as far as computed
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     seed: int = field(init=False)  # noise seed: params.seed, else drawn at creation
 
     def __post_init__(self) -> None:
@@ -92,6 +98,13 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet (a prefix-cache hit would skip
+        the positions they come from)."""
+        wanted = self.params.prompt_logprobs is not None
+        return wanted and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def is_finished(self) -> bool:

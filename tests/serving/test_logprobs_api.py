@@ -79,3 +79,97 @@ def test_no_logprobs_unless_asked(served):
     assert done.choices[0].logprobs is None
     chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3)
     assert chat.choices[0].logprobs is None
+
+
+def test_echo_starts_each_choice_with_its_prompt(served, offline):
+    client = served.client()
+    ids = offline.encode("tokens")
+    args = dict(model=MODEL, max_tokens=6, temperature=0, extra_body=EXTRA)
+    plain = client.completions.create(prompt=["Once", ids], n=2, **args)
+    echoed = client.completions.create(prompt=["Once", ids], n=2, echo=True, **args)
+    for i, (p, e) in enumerate(zip(plain.choices, echoed.choices)):
+        assert e.text == ("Once" if i < 2 else "tokens") + p.text
+        assert e.logprobs is None
+    assert echoed.usage == plain.usage  # the echoed prompt is not generated text
+
+
+def test_echo_with_logprobs_scores_the_prompt_then_the_output(served, offline):
+    prompt = "Once upon a"
+    out = served.client().completions.create(
+        model=MODEL, prompt=prompt, max_tokens=5, temperature=0, logprobs=2, echo=True,
+        extra_body=EXTRA,
+    )  # fmt: skip
+    params = SamplingParams(
+        max_tokens=5, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=2
+    )
+    expected = offline.generate(prompt, params)
+    prompt_ids, first = offline.encode(prompt), expected[0]
+    assert first.prompt_logprobs is not None and first.logprobs is not None
+    logprobs = out.choices[0].logprobs
+    token_ids = prompt_ids + first.token_ids
+    texts = [byte_tokenizer().decode([t]) for t in token_ids]
+    assert out.choices[0].text == prompt + first.text
+    assert logprobs.tokens == texts
+    assert logprobs.text_offset == [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    scored = [lp.logprob for lp in first.prompt_logprobs[1:] + first.logprobs]
+    assert logprobs.token_logprobs[1:] == pytest.approx(scored)
+    for text, top, lp in zip(texts[1:], logprobs.top_logprobs[1:], first.prompt_logprobs[1:]):
+        assert top[text] == pytest.approx(lp.logprob)
+
+
+def test_loglikelihood_as_evaluation_harnesses_ask_for_it(served, offline):
+    """lm-evaluation-harness scores a continuation through completions: token ids of context +
+    continuation, echo, logprobs=1, max_tokens=1; the continuation's logprobs are
+    token_logprobs[len(context):-1], and it is greedy where each is its position's top token."""
+    context, continuation = offline.encode("The cat sat on"), offline.encode(" the mat")
+    out = served.client().completions.create(
+        model=MODEL, prompt=context + continuation, max_tokens=1, temperature=0, logprobs=1,
+        echo=True,
+    )  # fmt: skip
+    lps = out.choices[0].logprobs
+    assert len(lps.tokens) == len(context) + len(continuation) + 1
+    scored = offline.generate(
+        context + continuation, SamplingParams(max_tokens=1, prompt_logprobs=1)
+    )[0].prompt_logprobs
+    assert scored is not None
+    expected = [lp.logprob for lp in scored[len(context) :]]
+    assert lps.token_logprobs[len(context) : -1] == pytest.approx(expected)
+    greedy = [max(top, key=top.get) == token for token, top in zip(lps.tokens, lps.top_logprobs)
+              if top is not None]  # fmt: skip
+    ranks = [lp.rank == 1 for lp in scored[1:]]
+    assert greedy[: len(ranks)] == ranks
+
+
+def test_max_tokens_zero_with_echo_scores_the_prompt_alone(served, offline):
+    client = served.client()
+    for stream in (False, True):
+        args = dict(model=MODEL, prompt="abcde", max_tokens=0, echo=True, logprobs=0)
+        if stream:
+            chunks = list(client.completions.create(stream=True, **args))
+            text = "".join(c.choices[0].text for c in chunks)
+            tokens = [
+                t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens
+            ]
+            reason = chunks[-1].choices[0].finish_reason
+        else:
+            out = client.completions.create(**args)
+            text, tokens = out.choices[0].text, out.choices[0].logprobs.tokens
+            reason = out.choices[0].finish_reason
+            assert out.usage.completion_tokens == 0 and out.usage.prompt_tokens == 5
+        assert text == "abcde" and tokens == list("abcde") and reason == "length"
+    refused = served.post("/v1/completions", json={"prompt": "abc", "max_tokens": 0})
+    assert refused.status_code == 400 and "only with echo" in refused.text
+
+
+def test_streamed_echo_adds_up_to_the_full_response(served):
+    client = served.client()
+    args = dict(model=MODEL, prompt="stream me", max_tokens=12, temperature=0, echo=True,
+                logprobs=1, extra_body=EXTRA)  # fmt: skip
+    full = client.completions.create(**args).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **args)]
+    assert chunks[0].text.startswith("stream me")
+    assert "".join(c.text for c in chunks) == full.text
+    parts = [c.logprobs for c in chunks if c.logprobs is not None]
+    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for p in parts for x in getattr(p, field)] == getattr(full.logprobs, field)
