@@ -116,7 +116,8 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     # the key, then the size.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     if config.api_key is not None:
-        protected = {"/openapi.json"} | ({"/metrics"} if config.metrics_require_key else set())
+        protected = {"/openapi.json", "/tokenize", "/detokenize"}
+        protected |= {"/metrics"} if config.metrics_require_key else set()
         app.add_middleware(
             ApiKeyMiddleware,
             api_key=config.api_key,

@@ -12,7 +12,14 @@ from __future__ import annotations
 from typing import Any
 
 from specdec.outputs import TokenLogprobs
-from specdec.serving.responses import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from specdec.serving.responses import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
+    TopLogprob,
+)
 
 
 class TokenTexts:
@@ -69,3 +76,17 @@ def chat_logprobs(logprobs: list[TokenLogprobs], texts: TokenTexts) -> ChatLogpr
         top = [entry(token_id, value) for token_id, value in lp.top]
         content.append(ChatTokenLogprob(**chosen.model_dump(), top_logprobs=top))
     return ChatLogprobs(content=content)
+
+
+def prompt_logprobs(logprobs: list[TokenLogprobs | None], texts: TokenTexts) -> PromptLogprobs:
+    """vLLM's ``prompt_logprobs``: per prompt token, its entry and the most likely tokens'."""
+
+    def entries(lp: TokenLogprobs) -> dict[int, PromptLogprob]:
+        ranked = {t: (v, rank) for rank, (t, v) in enumerate(lp.top, start=1)}
+        ranked[lp.token_id] = (lp.logprob, lp.rank)
+        return {
+            t: PromptLogprob(logprob=v, rank=r, decoded_token=texts(t))
+            for t, (v, r) in ranked.items()
+        }
+
+    return [None if lp is None else entries(lp) for lp in logprobs]

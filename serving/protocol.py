@@ -69,6 +69,8 @@ class GenerationFields(StrictModel):
     stream: bool | None = None  # send server-sent events as tokens are produced
     stream_options: StreamOptions | None = None  # only read when streaming
     num_speculative_tokens: int | None = Field(None, ge=0, le=64)  # extra; drafts per step, 0: off
+    # extra (vLLM's); each prompt token's logprob and this many alternatives', not streamed
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     # subtract this from every generated token's logit (presence) or this times its count
     presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
@@ -123,8 +125,8 @@ class GenerationFields(StrictModel):
 
     @property
     def num_prompt_logprobs(self) -> int | None:
-        """Alternatives per prompt token to return with its logprob; None: none."""
-        return None
+        """Alternatives per prompt token to compute with its logprob; None: none."""
+        return self.prompt_logprobs
 
     def sampling_params(self, max_tokens: int, choice: int = 0) -> SamplingParams:
         """The engine's parameters for ``choice`` (choice ``i`` of a seeded request uses seed + i).
@@ -188,7 +190,10 @@ class CompletionRequest(GenerationFields):
 
     @property
     def num_prompt_logprobs(self) -> int | None:
-        return self.logprobs if self.echo else None
+        echoed = self.logprobs if self.echo else None
+        if echoed is None or self.prompt_logprobs is None:
+            return self.prompt_logprobs if echoed is None else echoed
+        return max(echoed, self.prompt_logprobs)
 
 
 class ChatMessage(StrictModel):
@@ -249,6 +254,26 @@ class ChatCompletionRequest(GenerationFields):
 
     def conversation(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.content or ""} for m in self.messages]
+
+
+class TokenizeRequest(StrictModel):
+    """``POST /tokenize`` (vLLM's): a prompt's token ids, as completions (``prompt``) or chat
+    completions (``messages``, through the chat template) would feed them."""
+
+    model: str | None = None
+    prompt: str | None = None  # a raw text ...
+    messages: list[ChatMessage] | None = None  # ... or a conversation: exactly one of the two
+    return_token_strs: bool | None = None  # also each token's string in the vocabulary
+
+    def conversation(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.content or ""} for m in self.messages or []]
+
+
+class DetokenizeRequest(StrictModel):
+    """``POST /detokenize`` (vLLM's): the text of token ids."""
+
+    model: str | None = None
+    tokens: list[int]  # token ids of the vocabulary
 
 
 def _check_unicode(text: str) -> None:

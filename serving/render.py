@@ -13,7 +13,13 @@ from dataclasses import dataclass, field
 
 from specdec.outputs import TokenLogprobs
 from specdec.serving.generation import Choice, Generation
-from specdec.serving.logprobs import chat_logprobs, completion_logprobs, text_length
+from specdec.serving.logprobs import (
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs,
+    text_length,
+)
 from specdec.serving.responses import (
     AssistantMessage,
     ChatChoice,
@@ -23,6 +29,7 @@ from specdec.serving.responses import (
     ChatDelta,
     CompletionChoice,
     CompletionResponse,
+    PromptLogprobs,
     new_id,
     now_s,
 )
@@ -36,16 +43,15 @@ class ResponseMeta:
     model: str  # the served model's name
     id: str = ""  # "<prefix>-<hex>", drawn at construction
     created: int = field(default_factory=now_s)  # Unix time of the request
+    echo: list[str] | None = None  # completions: each choice's prompt text, to start it with
+    prompt_logprobs: bool = False  # show the prompt tokens' logprobs (vLLM's prompt_logprobs)
 
     def __post_init__(self) -> None:
         self.id = self.id or new_id(self.prefix)
 
 
-def completion_response(
-    generation: Generation, meta: ResponseMeta, echo: list[str] | None = None
-) -> CompletionResponse:
-    """The full response; ``echo``: each choice's prompt text, to start its text with."""
-    texts = generation.state.token_texts
+def completion_response(generation: Generation, meta: ResponseMeta) -> CompletionResponse:
+    texts, echo = generation.state.token_texts, meta.echo
     choices = []
     for i, c in enumerate(generation.choices):
         logprobs = None
@@ -55,7 +61,13 @@ def completion_response(
             logprobs = completion_logprobs(token_ids, [*lps, *c.logprobs], texts)
         text = c.text if echo is None else echo[i] + c.text
         choices.append(
-            CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=c.finish_reason)
+            CompletionChoice(
+                index=i,
+                text=text,
+                logprobs=logprobs,
+                prompt_logprobs=_prompt_logprobs(c, meta, texts),
+                finish_reason=c.finish_reason,
+            )
         )
     return CompletionResponse(
         id=meta.id,
@@ -67,12 +79,9 @@ def completion_response(
 
 
 async def completion_chunks(
-    generation: Generation,
-    meta: ResponseMeta,
-    include_usage: bool,
-    echo: list[str] | None = None,
+    generation: Generation, meta: ResponseMeta, include_usage: bool
 ) -> AsyncIterator[CompletionResponse]:
-    """The stream; with ``echo`` a choice's first chunk starts with its prompt (and the prompt
+    """The stream; with echo a choice's first chunk starts with its prompt (and the prompt
     tokens' logprobs, which come with its first delta)."""
 
     def chunk(choices: list[CompletionChoice]) -> CompletionResponse:
@@ -80,7 +89,7 @@ async def completion_chunks(
             id=meta.id, created=meta.created, model=meta.model, choices=choices
         )
 
-    texts = generation.state.token_texts
+    texts, echo = generation.state.token_texts, meta.echo
     offsets = [0] * len(generation.choices)  # each choice's text_offset so far
     echoed = [echo is None] * len(generation.choices)  # the prompt sent (or not to be sent)
     async for i, delta in generation.deltas():
@@ -108,6 +117,14 @@ async def completion_chunks(
         yield chunk([]).model_copy(update={"usage": generation.usage()})
 
 
+def _prompt_logprobs(
+    choice: Choice, meta: ResponseMeta, texts: TokenTexts
+) -> PromptLogprobs | None:
+    if not meta.prompt_logprobs or choice.prompt_logprobs is None:
+        return None
+    return prompt_logprobs(choice.prompt_logprobs, texts)
+
+
 def _echoed(choice: Choice, echo: bool) -> tuple[list[int], list[TokenLogprobs | None]]:
     """The prompt's token ids and logprobs that start an echoed choice's logprobs."""
     if not echo or choice.prompt_logprobs is None:
@@ -132,6 +149,7 @@ def chat_response(generation: Generation, meta: ResponseMeta) -> ChatCompletionR
         model=meta.model,
         choices=choices,
         usage=generation.usage(),
+        prompt_logprobs=_prompt_logprobs(generation.choices[0], meta, texts),  # one prompt
     )
 
 

@@ -39,10 +39,24 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]  # where each token's text starts, in characters from the choice's
 
 
+class PromptLogprob(BaseModel):
+    """One token of a prompt position's ``prompt_logprobs`` entry (vLLM's shape)."""
+
+    logprob: float
+    rank: int  # 1 + how many tokens the model found strictly more likely
+    decoded_token: str  # the token's text
+
+
+# vLLM's prompt_logprobs: per prompt token, None for the first, else token id (a string in JSON)
+# -> its entry, for the prompt's token and the most likely ones at that position
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int  # position in choices: prompt index x n + choice number
     text: str  # the generated text, after the prompt with echo (a delta when streamed)
     logprobs: CompletionLogprobs | None = None  # when the request set logprobs
+    prompt_logprobs: PromptLogprobs | None = None  # when the request set prompt_logprobs
     finish_reason: str | None = None  # "stop" or "length"; None while streaming
 
 
@@ -91,6 +105,7 @@ class ChatCompletionResponse(BaseModel):
     model: str  # the served model's name
     choices: list[ChatChoice]
     usage: Usage  # token counts of the request
+    prompt_logprobs: PromptLogprobs | None = None  # when the request set prompt_logprobs
 
 
 class ChatDelta(BaseModel):
@@ -125,3 +140,14 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]  # the models served: exactly one
+
+
+class TokenizeResponse(BaseModel):
+    count: int  # tokens in the prompt
+    max_model_len: int  # longest prompt + output, in tokens
+    tokens: list[int]  # the token ids
+    token_strs: list[str] | None = None  # each token's vocabulary string, when asked for
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str  # the text of the tokens

@@ -1,4 +1,4 @@
-"""The HTTP routes: completions, chat completions, models, health and metrics.
+"""The HTTP routes: completions, chat completions, models, tokenize, health and metrics.
 
 A generation route checks the model name and the stop strings, tokenizes (raw prompts for
 completions, the chat template for chat), turns the body into one :class:`GenerationRequest` per
@@ -24,7 +24,13 @@ from starlette.background import BackgroundTask
 from specdec.serving.bridge import GenerationRequest
 from specdec.serving.errors import APIError
 from specdec.serving.generation import Generation, server_sent_events, until_disconnected
-from specdec.serving.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields
+from specdec.serving.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    GenerationFields,
+    TokenizeRequest,
+)
 from specdec.serving.render import (
     ResponseMeta,
     chat_chunks,
@@ -32,7 +38,12 @@ from specdec.serving.render import (
     completion_chunks,
     completion_response,
 )
-from specdec.serving.responses import ModelCard, ModelList
+from specdec.serving.responses import (
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeResponse,
+)
 
 if TYPE_CHECKING:
     from specdec.serving.app import ServerState
@@ -68,11 +79,46 @@ async def models(request: Request) -> ModelList:
     return ModelList(data=[card])
 
 
+@router.post("/tokenize")
+async def tokenize_route(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+    """A prompt's token ids, as the generation routes would feed them (vLLM's endpoint)."""
+    state = server_state(request)
+    check_model(state, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+    if body.messages is not None:
+        if not body.messages:
+            raise APIError(400, "messages must contain at least one message", param="messages")
+        text = await render_chat(state, body.conversation())
+    else:
+        text = body.prompt or ""
+    tokens = await asyncio.to_thread(state.llm.encode, text)
+    strs = None
+    if body.return_token_strs:
+        strs = list(await asyncio.to_thread(state.llm.tokenizer.convert_ids_to_tokens, tokens))
+    max_model_len = state.llm.engine.max_model_len
+    return TokenizeResponse(
+        count=len(tokens), max_model_len=max_model_len, tokens=tokens, token_strs=strs
+    )
+
+
+@router.post("/detokenize")
+async def detokenize_route(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    """The text of token ids (vLLM's endpoint)."""
+    state = server_state(request)
+    check_model(state, body.model)
+    vocab_size = state.llm.engine.vocab_size
+    if any(not 0 <= t < vocab_size for t in body.tokens):
+        raise APIError(400, f"tokens must be token ids in [0, {vocab_size})", param="tokens")
+    return DetokenizeResponse(prompt=await asyncio.to_thread(state.llm.decode, body.tokens))
+
+
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     state = server_state(request)
     check_model(state, body.model)
     check_stops(state, body)
+    show_prompt_logprobs = check_prompt_logprobs(body)
     if body.requested_max_tokens == 0 and not body.echo:
         message = "max_tokens may be 0 only with echo set to true (to score the prompt alone)"
         raise APIError(400, message, param="max_tokens")
@@ -85,9 +131,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             for p in body.prompt
         ]
         echo = [text for text in texts for _ in range(body.n or 1)]
-    meta = ResponseMeta("cmpl", state.model_name)
-    full = partial(completion_response, generation, meta, echo)
-    chunks = partial(completion_chunks, generation, meta, body.include_usage, echo)
+    meta = ResponseMeta("cmpl", state.model_name, echo=echo, prompt_logprobs=show_prompt_logprobs)
+    full = partial(completion_response, generation, meta)
+    chunks = partial(completion_chunks, generation, meta, body.include_usage)
     return await respond(request, generation, bool(body.stream), full, chunks)
 
 
@@ -96,14 +142,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     state = server_state(request)
     check_model(state, body.model)
     check_stops(state, body)
-    try:
-        text = await asyncio.to_thread(state.llm.render_chat, body.conversation())
-    except (ValueError, jinja2.TemplateError) as e:
-        message = f"The chat template refused the messages: {e}"
-        raise APIError(400, message, param="messages") from e
+    show_prompt_logprobs = check_prompt_logprobs(body)
+    text = await render_chat(state, body.conversation())
     prompt = await tokenize(state, text, "messages")
     generation = make_generation(state, body, [prompt], "messages")
-    meta = ResponseMeta("chatcmpl", state.model_name)
+    meta = ResponseMeta("chatcmpl", state.model_name, prompt_logprobs=show_prompt_logprobs)
     full = partial(chat_response, generation, meta)
     chunks = partial(chat_chunks, generation, meta, body.include_usage)
     return await respond(request, generation, bool(body.stream), full, chunks)
@@ -117,6 +160,14 @@ def check_model(state: ServerState, model: str | None) -> None:
             param="model",
             code="model_not_found",
         )
+
+
+def check_prompt_logprobs(body: GenerationFields) -> bool:
+    """Whether to show prompt_logprobs; 400 when asked for in a stream (as vLLM refuses it)."""
+    if body.prompt_logprobs is not None and body.stream:
+        message = "prompt_logprobs is not available when stream is true: leave one of them unset"
+        raise APIError(400, message, param="prompt_logprobs")
+    return body.prompt_logprobs is not None
 
 
 def check_stops(state: ServerState, body: GenerationFields) -> None:
@@ -138,6 +189,15 @@ def check_stops(state: ServerState, body: GenerationFields) -> None:
             f"at most {config.max_stop_chars}",
             param="stop",
         )
+
+
+async def render_chat(state: ServerState, conversation: list[dict[str, str]]) -> str:
+    """The conversation through the chat template, in a worker thread; 400 if it refuses."""
+    try:
+        return await asyncio.to_thread(state.llm.render_chat, conversation)
+    except (ValueError, jinja2.TemplateError) as e:
+        message = f"The chat template refused the messages: {e}"
+        raise APIError(400, message, param="messages") from e
 
 
 async def tokenize(state: ServerState, prompt: str | list[int], param: str) -> list[int]:

@@ -63,6 +63,7 @@ COMPLETION_FIELDS = [
     "presence_penalty",
     "logprobs",
     "echo",
+    "prompt_logprobs",
     "best_of",
 ]
 # Values only some fields meet: token ids out of range, long stop lists, nested prompts.

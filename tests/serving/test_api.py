@@ -279,3 +279,17 @@ def test_logit_bias_reaches_the_engine(served):
         model=MODEL, prompt="abc", max_tokens=6, temperature=0, logit_bias={"65": 100}
     )
     assert out.choices[0].text == byte_tokenizer().decode([65]) * 6
+
+
+def test_tokenize_and_detokenize_as_the_generation_routes_feed_prompts(served, offline):
+    text = "Hello, tokens!"
+    got = served.post("/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+    assert got["tokens"] == offline.encode(text) and got["count"] == len(got["tokens"])
+    assert got["max_model_len"] == served.llm.engine.max_model_len  # type: ignore[attr-defined]
+    assert got["token_strs"] == offline.tokenizer.convert_ids_to_tokens(got["tokens"])
+    chat = served.post("/tokenize", json={"messages": CHAT}).json()
+    assert chat["tokens"] == offline.apply_chat_template(CHAT) and chat["token_strs"] is None
+    usage = served.client().chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1)
+    assert usage.usage.prompt_tokens == chat["count"]
+    back = served.post("/detokenize", json={"tokens": got["tokens"], "model": MODEL}).json()
+    assert back == {"prompt": text}

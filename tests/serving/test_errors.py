@@ -65,6 +65,16 @@ BAD_REQUESTS = [
     (C, {"prompt": "x", "echo": 1}, 400, "echo: Input should be a valid boolean", "echo"),
     (C, {"prompt": "x", "best_of": 2}, 400, "best_of: is not supported", "best_of"),
     (CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools: is not supported", "tools"),
+    (C, {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs: Input should be less than or equal to 20", "prompt_logprobs"),
+    (C, {"prompt": "x", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs is not available when stream is true", "prompt_logprobs"),
+    (CHAT, {"messages": MSG, "prompt_logprobs": 0, "stream": True}, 400, "prompt_logprobs is not available when stream is true", "prompt_logprobs"),
+    ("/tokenize", {"prompt": "x", "messages": MSG}, 400, "give exactly one of prompt or messages", "prompt"),
+    ("/tokenize", {}, 400, "give exactly one of prompt or messages", "prompt"),
+    ("/tokenize", {"messages": []}, 400, "messages must contain at least one message", "messages"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt: Input should be a valid string", "prompt"),
+    ("/detokenize", {"tokens": [1, 300]}, 400, "tokens must be token ids in [0, 300)", "tokens"),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens: Input should be a valid list", "tokens"),
+    ("/tokenize", {"prompt": "x", "model": "gpt-4o"}, 404, "The model `gpt-4o` does not exist", "model"),
     (C, {"prompt": "x", "stop": [""]}, 400, "stop must be non-empty strings", "stop"),
     # Lone surrogates: JSON may escape one, but it is not Unicode text (this was a 500).
     (C, '{"prompt": "a \\ud800", "max_tokens": 2}', 400, "prompt: contains a lone UTF-16 surrogate (U+D800) at character 2", "prompt"),
@@ -138,6 +148,8 @@ def test_api_key_is_required_on_v1_routes(make_server):
         openai.OpenAI(base_url=f"{served.url}/v1", api_key="nope", max_retries=0).models.list()
     assert served.client().models.list().data[0].id == MODEL
     assert httpx.get(served.url + "/health").status_code == 200  # probes need no key
+    for path in ("/tokenize", "/detokenize"):  # the server's tokenizer is behind the key too
+        assert served.post(path, json={"prompt": "x", "tokens": [1]}).status_code == 401
     for header in ("bearer s3cret", "BEARER s3cret", "Bearer  s3cret"):  # RFC 7235: any case
         models = httpx.get(served.url + "/v1/models", headers={"Authorization": header})
         assert models.status_code == 200, header

@@ -173,3 +173,38 @@ def test_streamed_echo_adds_up_to_the_full_response(served):
     parts = [c.logprobs for c in chunks if c.logprobs is not None]
     for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
         assert [x for p in parts for x in getattr(p, field)] == getattr(full.logprobs, field)
+
+
+def test_prompt_logprobs_in_vllms_shape(served, offline):
+    """vLLM's extra field: per prompt token, None for the first, else token id -> logprob, rank
+    and text, for the prompt's token and the most likely ones."""
+    body = {"prompt": "Once upon", "max_tokens": 2, "prompt_logprobs": 2}
+    choice = served.post("/v1/completions", json=body).json()["choices"][0]
+    expected = offline.generate("Once upon", SamplingParams(max_tokens=2, prompt_logprobs=2))[0]
+    assert expected.prompt_logprobs is not None
+    got = choice["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(expected.prompt_logprobs)
+    for entry, lp in zip(got[1:], expected.prompt_logprobs[1:]):
+        assert lp is not None
+        wanted = {lp.token_id: (lp.logprob, lp.rank)} | {
+            t: (v, rank) for rank, (t, v) in enumerate(lp.top, start=1) if t != lp.token_id
+        }
+        assert {int(t) for t in entry} == set(wanted)
+        for token, (logprob, rank) in wanted.items():
+            e = entry[str(token)]
+            assert e["logprob"] == pytest.approx(logprob) and e["rank"] == rank
+            assert e["decoded_token"] == byte_tokenizer().decode([token])
+    assert choice["logprobs"] is None  # prompt_logprobs alone does not ask for the output's
+
+
+def test_chat_prompt_logprobs_score_the_templated_prompt(served, offline):
+    body = {"messages": CHAT, "max_tokens": 2, "n": 2, "prompt_logprobs": 0}
+    response = served.post("/v1/chat/completions", json=body).json()
+    expected = offline.chat(CHAT, SamplingParams(max_tokens=2, prompt_logprobs=0))[0]
+    assert expected.prompt_logprobs is not None
+    got = response["prompt_logprobs"]  # one list per response, as vLLM's: one prompt
+    assert len(got) == len(expected.prompt_logprobs) == len(offline.apply_chat_template(CHAT))
+    for entry, lp in zip(got[1:], expected.prompt_logprobs[1:]):
+        assert lp is not None and entry[str(lp.token_id)]["logprob"] == pytest.approx(lp.logprob)
+    plain = served.post("/v1/chat/completions", json=body | {"prompt_logprobs": None}).json()
+    assert plain["prompt_logprobs"] is None
