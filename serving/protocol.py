@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from specdec.config import MAX_LOGPROBS, SamplingParams
+from specdec.llm import CHAT_TEMPLATE_ARGUMENTS, ChatOptions
 
 MAX_N = 128  # most choices per prompt, as OpenAI allows
 _INT64 = 2**63
@@ -218,11 +219,44 @@ class ChatMessage(StrictModel):
         return "".join(texts)
 
 
-class ChatCompletionRequest(GenerationFields):
+class ChatTemplateFields(StrictModel):
+    """vLLM's extra fields for rendering messages through the chat template."""
+
+    add_generation_prompt: bool | None = None  # open the assistant's turn; None: true
+    continue_final_message: bool | None = None  # or leave the final message open; None: false
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_template_arguments(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted(set(value or {}) & CHAT_TEMPLATE_ARGUMENTS)
+        if reserved:
+            raise ValueError(f"may not set apply_chat_template's own {', '.join(reserved)}")
+        return value
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _one_way_to_end(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+        if value and info.data.get("add_generation_prompt") is not False:
+            raise ValueError("needs add_generation_prompt set to false (it opens a new turn)")
+        return value
+
+    def chat_options(self) -> ChatOptions:
+        return ChatOptions(
+            add_generation_prompt=self.add_generation_prompt is not False,
+            continue_final_message=bool(self.continue_final_message),
+            chat_template_kwargs=self.chat_template_kwargs,
+        )
+
+
+class ChatCompletionRequest(GenerationFields, ChatTemplateFields):
     """``POST /v1/chat/completions``: reply to a conversation, through the chat template."""
 
     messages: list[ChatMessage]  # the conversation so far, at least one message
     logprobs: bool | None = None  # each token's logprob in choices[].logprobs.content
+    # extra (vLLM's): start each reply with the last message's content when it is the reply's
+    # role (the final message's with add_generation_prompt false, else an assistant's)
+    echo: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # and this many alternatives
     tools: Any = None
     tool_choice: Any = None
@@ -255,8 +289,14 @@ class ChatCompletionRequest(GenerationFields):
     def conversation(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.content or ""} for m in self.messages]
 
+    def echoed_text(self) -> str | None:
+        """The text each reply starts with under ``echo`` (vLLM's rule); None: nothing."""
+        last = self.messages[-1]
+        role = "assistant" if self.chat_options().add_generation_prompt else last.role
+        return (last.content or "") if self.echo and last.role == role else None
 
-class TokenizeRequest(StrictModel):
+
+class TokenizeRequest(ChatTemplateFields):
     """``POST /tokenize`` (vLLM's): a prompt's token ids, as completions (``prompt``) or chat
     completions (``messages``, through the chat template) would feed them."""
 

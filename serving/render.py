@@ -43,7 +43,9 @@ class ResponseMeta:
     model: str  # the served model's name
     id: str = ""  # "<prefix>-<hex>", drawn at construction
     created: int = field(default_factory=now_s)  # Unix time of the request
-    echo: list[str] | None = None  # completions: each choice's prompt text, to start it with
+    echo: list[str] | None = (
+        None  # each choice's prompt text (chat: the last message's) to start with
+    )
     prompt_logprobs: bool = False  # show the prompt tokens' logprobs (vLLM's prompt_logprobs)
 
     def __post_init__(self) -> None:
@@ -137,7 +139,9 @@ def chat_response(generation: Generation, meta: ResponseMeta) -> ChatCompletionR
     choices = [
         ChatChoice(
             index=i,
-            message=AssistantMessage(content=c.text),
+            message=AssistantMessage(
+                content=c.text if meta.echo is None else meta.echo[i] + c.text
+            ),
             logprobs=None if c.logprobs is None else chat_logprobs(c.logprobs, texts),
             finish_reason=c.finish_reason,
         )
@@ -162,7 +166,8 @@ async def chat_chunks(
         )
 
     for i in range(len(generation.choices)):
-        yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+        opening = ChatDelta(role="assistant", content="" if meta.echo is None else meta.echo[i])
+        yield chunk([ChatChunkChoice(index=i, delta=opening)])
     texts = generation.state.token_texts
     async for i, delta in generation.deltas():
         if delta.text or delta.finished or delta.logprobs:

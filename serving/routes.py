@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
+from specdec.llm import ChatOptions
 from specdec.serving.bridge import GenerationRequest
 from specdec.serving.errors import APIError
 from specdec.serving.generation import Generation, server_sent_events, until_disconnected
@@ -89,7 +90,7 @@ async def tokenize_route(body: TokenizeRequest, request: Request) -> TokenizeRes
     if body.messages is not None:
         if not body.messages:
             raise APIError(400, "messages must contain at least one message", param="messages")
-        text = await render_chat(state, body.conversation())
+        text = await render_chat(state, body.conversation(), body.chat_options())
     else:
         text = body.prompt or ""
     tokens = await asyncio.to_thread(state.llm.encode, text)
@@ -143,10 +144,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     check_model(state, body.model)
     check_stops(state, body)
     show_prompt_logprobs = check_prompt_logprobs(body)
-    text = await render_chat(state, body.conversation())
+    text = await render_chat(state, body.conversation(), body.chat_options())
     prompt = await tokenize(state, text, "messages")
     generation = make_generation(state, body, [prompt], "messages")
-    meta = ResponseMeta("chatcmpl", state.model_name, prompt_logprobs=show_prompt_logprobs)
+    echoed = body.echoed_text()
+    echo = None if echoed is None else [echoed] * len(generation.choices)
+    meta = ResponseMeta(
+        "chatcmpl", state.model_name, echo=echo, prompt_logprobs=show_prompt_logprobs
+    )
     full = partial(chat_response, generation, meta)
     chunks = partial(chat_chunks, generation, meta, body.include_usage)
     return await respond(request, generation, bool(body.stream), full, chunks)
@@ -191,10 +196,12 @@ def check_stops(state: ServerState, body: GenerationFields) -> None:
         )
 
 
-async def render_chat(state: ServerState, conversation: list[dict[str, str]]) -> str:
+async def render_chat(
+    state: ServerState, conversation: list[dict[str, str]], options: ChatOptions
+) -> str:
     """The conversation through the chat template, in a worker thread; 400 if it refuses."""
     try:
-        return await asyncio.to_thread(state.llm.render_chat, conversation)
+        return await asyncio.to_thread(state.llm.render_chat, conversation, options)
     except (ValueError, jinja2.TemplateError) as e:
         message = f"The chat template refused the messages: {e}"
         raise APIError(400, message, param="messages") from e

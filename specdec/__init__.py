@@ -2,12 +2,13 @@
 
 from specdec.config import EngineConfig, SamplingParams
 from specdec.drafters.registry import SpecConfig
-from specdec.llm import LLM
+from specdec.llm import LLM, ChatOptions
 from specdec.outputs import RequestOutput, TokenLogprobs
 from specdec.wrap import WrappedModel, wrap
 
 __all__ = [
     "LLM",
+    "ChatOptions",
     "EngineConfig",
     "RequestOutput",
     "SamplingParams",

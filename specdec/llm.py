@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from specdec.config import EngineConfig, SamplingParams, resolve_device
 from specdec.drafters.registry import SpecConfig
@@ -23,6 +26,19 @@ from specdec.outputs import RequestOutput
 
 Prompt = str | list[int]
 Conversation = list[dict[str, str]]
+# apply_chat_template's own arguments, which template variables must not override
+CHAT_TEMPLATE_ARGUMENTS = frozenset(
+    inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+) - {"self", "kwargs"}
+
+
+@dataclass(frozen=True, slots=True)
+class ChatOptions:
+    """How a conversation is rendered into a prompt (vLLM's chat request fields)."""
+
+    add_generation_prompt: bool = True  # open the assistant's turn after the last message
+    continue_final_message: bool = False  # or leave the final message open, to be continued
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
 
 
 class LLM:
@@ -126,11 +142,17 @@ class LLM:
         self,
         conversations: Conversation | list[Conversation],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Generate a reply for each conversation, through the tokenizer's chat template."""
+        """Generate a reply for each conversation, through the tokenizer's chat template (see
+        :meth:`render_chat` for the options)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item, arg-type]
-        prompts = [self.apply_chat_template(c) for c in conversations]  # type: ignore[arg-type]
+        options = ChatOptions(add_generation_prompt, continue_final_message, chat_template_kwargs)
+        prompts = [self.apply_chat_template(c, options) for c in conversations]  # type: ignore[arg-type]
         return self.generate(prompts, params)
 
     def stream(
@@ -150,16 +172,39 @@ class LLM:
         finally:
             self.engine.abort(request_id)
 
-    def apply_chat_template(self, conversation: Conversation) -> list[int]:
-        """The prompt token ids of ``conversation`` (with the assistant's turn opened)."""
-        return self.encode(self.render_chat(conversation))
+    def apply_chat_template(
+        self, conversation: Conversation, options: ChatOptions | None = None
+    ) -> list[int]:
+        """The prompt token ids of ``conversation`` (by default with the assistant's turn
+        opened)."""
+        return self.encode(self.render_chat(conversation, options))
 
-    def render_chat(self, conversation: Conversation) -> str:
-        """The prompt text of ``conversation`` through the tokenizer's chat template."""
+    def render_chat(self, conversation: Conversation, options: ChatOptions | None = None) -> str:
+        """The prompt text of ``conversation`` through the tokenizer's chat template.
+
+        ``options`` (:class:`ChatOptions`, as vLLM's chat fields): open the assistant's turn (the
+        default), or continue the final message instead (a reply started for the model), and
+        extra variables for the template. Raises ``ValueError`` for an empty conversation, both
+        options at once, or template variables that name the template's own arguments.
+        """
+        options = options or ChatOptions()
         if not conversation:
             raise ValueError("conversation is empty: give at least one message")
+        if options.add_generation_prompt and options.continue_final_message:
+            raise ValueError(
+                "add_generation_prompt and continue_final_message cannot both be true: open a "
+                "new assistant turn, or continue the final message"
+            )
+        kwargs = dict(options.chat_template_kwargs or {})
+        reserved = sorted(set(kwargs) & CHAT_TEMPLATE_ARGUMENTS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
         text = self.tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=True, tokenize=False
+            conversation,
+            add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message,
+            tokenize=False,
+            **kwargs,
         )
         assert isinstance(text, str)
         return text

@@ -170,6 +170,24 @@ def test_chat_applies_the_template(make_llm):
         llm.chat([[]], GREEDY)
 
 
+def test_chat_can_continue_the_final_message_and_pass_template_variables(make_llm):
+    llm = make_llm()
+    started = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": '{"a":'}]
+    out = llm.chat(started, GREEDY, add_generation_prompt=False, continue_final_message=True)[0]
+    assert llm.decode(out.prompt_token_ids) == '<user>hi\n<assistant>{"a":'  # left open
+    closed = llm.chat(started, GREEDY, add_generation_prompt=False)[0]
+    assert llm.decode(closed.prompt_token_ids) == '<user>hi\n<assistant>{"a":\n'
+    llm.tokenizer.chat_template = (
+        "{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    greeted = llm.chat(started[:1], GREEDY, chat_template_kwargs={"greeting": "Hello: "})[0]
+    assert llm.decode(greeted.prompt_token_ids) == "Hello: hi"
+    with pytest.raises(ValueError, match="cannot both be true"):
+        llm.chat(started, GREEDY, continue_final_message=True)
+    with pytest.raises(ValueError, match="chat_template_kwargs may not set tokenize"):
+        llm.chat(started, GREEDY, chat_template_kwargs={"tokenize": True})
+
+
 @pytest.mark.parametrize(
     ("prompt", "message"),
     [

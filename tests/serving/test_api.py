@@ -293,3 +293,29 @@ def test_tokenize_and_detokenize_as_the_generation_routes_feed_prompts(served, o
     assert usage.usage.prompt_tokens == chat["count"]
     back = served.post("/detokenize", json={"tokens": got["tokens"], "model": MODEL}).json()
     assert back == {"prompt": text}
+
+
+def test_chat_continues_a_started_reply_and_echoes_it(served, offline):
+    started = CHAT + [{"role": "assistant", "content": "Seven"}]
+    fields = {"add_generation_prompt": False, "continue_final_message": True}
+    body = {"messages": started, "max_tokens": 6, "temperature": 0, "ignore_eos": True} | fields
+    expected = offline.chat(
+        started, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+        add_generation_prompt=False, continue_final_message=True,
+    )[0]  # fmt: skip
+    reply = served.post("/v1/chat/completions", json=body).json()
+    assert reply["choices"][0]["message"]["content"] == expected.text
+    echoed = served.post("/v1/chat/completions", json=body | {"echo": True}).json()
+    assert echoed["choices"][0]["message"]["content"] == "Seven" + expected.text
+    assert echoed["usage"] == reply["usage"]
+    events = served.post("/v1/chat/completions", json=body | {"echo": True, "stream": True})
+    chunks = [json.loads(line[6:]) for line in events.text.splitlines() if line[6:7] == "{"]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert text == "Seven" + expected.text
+    plain = {"messages": CHAT, "max_tokens": 4, "temperature": 0}  # the last turn is the user's
+    for_user = [
+        served.post("/v1/chat/completions", json=plain | {"echo": e}) for e in (False, True)
+    ]
+    assert len({r.json()["choices"][0]["message"]["content"] for r in for_user}) == 1
+    tokens = served.post("/tokenize", json={"messages": started} | fields).json()["tokens"]
+    assert tokens == expected.prompt_token_ids
