@@ -1,13 +1,21 @@
 """Output text, stop strings and streaming deltas.
 
-The whole output is decoded again each step (cheap next to a forward pass, and always equal to
-what one final decode gives). A stop string ends the request: the tokens up to the one that
-completed it are kept, the text stops just before it. Stop strings are looked for in the text a
-step added (and the longest stop string's length before it), so the cost of a step does not grow
-with the output. A stop string also wins when the step that completed it ended the request by
-length or an end-of-sequence token: the request ends as if its tokens had arrived one at a time,
-with ``finish_reason`` "stop". While a request runs, a delta holds back text that might still
-become a stop string, and an incomplete UTF-8 character.
+Text is decoded incrementally, as vLLM does: each step decodes only the tokens since the last
+complete character, beside the tokens of the step before them as context (so a SentencePiece
+token's leading space is kept, as in a decode of the whole output), and takes the difference. A
+step's cost therefore does not grow with the output: decoding the whole output again each step
+took 1.16 s of 25.5 s for 16 requests of 400 tokens under a profiler (0.20 s incrementally), a
+share that grows with the length. The text equals
+one decode of the whole output for byte-level BPE and SentencePiece-style tokenizers (tested);
+it only ever grows, so a tokenizer that tidies spaces across tokens may keep a space that a
+whole decode would drop.
+
+A stop string ends the request: the tokens up to the one that completed it are kept, the text
+stops just before it. Stop strings are looked for in the text a step added (and the longest stop
+string's length before it). A stop string also wins when the step that completed it ended the
+request by length or an end-of-sequence token: the request ends as if its tokens had arrived one
+at a time, with ``finish_reason`` "stop". While a request runs, a delta holds back text that
+might still become a stop string, and an incomplete UTF-8 character.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ class Detokenizer:
 
     def step(self, seq: Sequence, scheduler: Scheduler) -> str:
         """Update ``seq.output_text``, finishing ``seq`` on a stop string; return the new text."""
-        text = self.decode(seq.output_token_ids)
+        text = self._text(seq)
         stops = seq.params.stop
         if stops and seq.finish_reason != "abort":
             text = self._cut_at_stop(seq, text, scheduler)
@@ -34,6 +42,19 @@ class Detokenizer:
         delta = text[len(seq.output_text) :] if text.startswith(seq.output_text) else ""
         seq.output_text += delta
         return delta
+
+    def _text(self, seq: Sequence) -> str:
+        """The whole output's text, decoding only the tokens since the last complete character
+        (the context tokens before them decode twice, once to be subtracted)."""
+        ids = seq.output_token_ids
+        context = self.decode(ids[seq.prefix_offset : seq.read_offset])
+        window = self.decode(ids[seq.prefix_offset :])
+        new = window[len(context) :]
+        text = seq.decoded_text + new
+        if new and not new.endswith("\ufffd"):  # complete characters: settle them
+            seq.decoded_text = text
+            seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+        return text
 
     def _cut_at_stop(self, seq: Sequence, text: str, scheduler: Scheduler) -> str:
         longest = max(len(s) for s in seq.params.stop)

@@ -72,6 +72,11 @@ class Sequence:
     finish_reason: str | None = None  # "stop" or "length" once finished
     num_returned_tokens: int = 0  # output tokens already handed back in deltas
     output_text: str = ""  # detokenized output so far (stop strings already cut off)
+    # incremental detokenization (vLLM's): the output's text through output token read_offset,
+    # whose tokens from prefix_offset on are decoded again next step as context
+    decoded_text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
     metrics: SequenceMetrics = field(default_factory=SequenceMetrics)
     # with SamplingParams.prompt_logprobs: entry i is prompt token i + 1's, as far as computed
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)

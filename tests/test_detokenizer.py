@@ -5,10 +5,15 @@ from __future__ import annotations
 import random
 
 import pytest
+from tokenizers import Tokenizer, decoders, models
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from specdec import SamplingParams
-from specdec.detokenizer import held_back
+from specdec.detokenizer import Detokenizer, held_back
+from specdec.loader import default_model_dir
+from specdec.sequence import Sequence
 from tests.test_speculative import ScriptedDrafter
+from tests.tiny import byte_tokenizer
 
 PROMPT = [84, 85, 86, 5]  # the tiny model's greedy output has plain characters where needed
 MAX_TOKENS = 19  # with 5 drafts accepted per step, tokens arrive as 1, 7, 13, 19: 14..19 together
@@ -101,3 +106,47 @@ def test_a_stop_string_in_the_step_that_ends_by_length_still_stops(make_llm, spe
     streamed = list(llm.stream(PROMPT, params))
     assert "".join(d.text for d in streamed) == expected_text
     assert streamed[-1].finish_reason == "stop"
+
+
+def metaspace_tokenizer() -> PreTrainedTokenizerFast:
+    """A SentencePiece-style tokenizer (Llama 2's decoder): words with a leading "▁", byte
+    fallback tokens, and one leading space stripped from the whole text."""
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    pieces += ["▁the", "▁cat", "▁sat", "▁", "at", "s", ".", "▁€", "\n", "▁a", "b"]
+    tok = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[]))
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+
+
+def smollm2_tokenizer() -> PreTrainedTokenizerFast:
+    return AutoTokenizer.from_pretrained(default_model_dir())
+
+
+def units_of(tokenizer: PreTrainedTokenizerFast) -> list[list[int]]:
+    """What a model emits: tokens that are text on their own, and characters that take several
+    tokens (byte tokens, or byte-level pieces)."""
+    whole = [[i] for i in range(len(tokenizer)) if "\ufffd" not in tokenizer.decode([i])]
+    spelled = [tokenizer.encode(c, add_special_tokens=False) for c in ("é", "€", "😀", "中文")]
+    return whole + spelled * (len(whole) // 40)  # about one unit in ten is spelled
+
+
+@pytest.mark.parametrize("make_tokenizer", [byte_tokenizer, metaspace_tokenizer, smollm2_tokenizer])
+def test_incremental_text_equals_a_decode_of_the_whole_output(make_tokenizer):
+    """Tokens arrive 1 to 6 at a time, splitting characters; after every step the text equals
+    one decode of all of them, and the text handed out only grows."""
+    tokenizer = make_tokenizer()
+    detokenizer = Detokenizer(tokenizer)
+    units = units_of(tokenizer)
+    rng = random.Random(0)
+    for trial in range(40):
+        seq = Sequence(trial, [0], 1, SamplingParams())
+        stream = [t for _ in range(60) for t in rng.choice(units)]
+        released = ""
+        while seq.num_output_tokens < len(stream):
+            seq.token_ids += stream[seq.num_output_tokens :][: rng.randint(1, 6)]
+            whole = tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            assert detokenizer._text(seq) == whole
+            released += detokenizer.step(seq, None)  # type: ignore[arg-type]  # no stops
+            assert whole.startswith(released)
+        assert seq.read_offset > len(stream) / 2  # the window moved on: not the whole output
