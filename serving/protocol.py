@@ -9,7 +9,7 @@ default" for every optional field.
 Terms:
     choice: one generated sequence of a response; a request has ``n`` choices per prompt.
     extra field: a field OpenAI does not define, taken from vLLM (``top_k``, ``min_p``,
-        ``ignore_eos``, ``stop_token_ids``, ``repetition_penalty``) or specdec's own
+        ``ignore_eos``, ``stop_token_ids``, ``repetition_penalty``, ``guided_choice``, ...) or specdec's own
         (``num_speculative_tokens``).
 """
 
@@ -80,9 +80,42 @@ class GenerationFields(StrictModel):
     repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)
 
     logit_bias: dict[str, float] | None = None  # token id (a string) -> bias in [-100, 100]
+    # extra (vLLM's): the output is one of these strings; or {"choice": [...]}, vLLM's newer form
+    guided_choice: list[str] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_grammar: Any = None
 
     # Known but not implemented: accepted only at their neutral values (see the module docstring).
-    NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {}
+    NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "guided_json": (None,),
+        "guided_regex": (None,),
+        "guided_grammar": (None,),
+    }
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _choice_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        for key, item in (value or {}).items():
+            if key != "choice" and item is not None:
+                raise ValueError(f"{key} is not supported by this server; only choice is")
+        _check_choice((value or {}).get("choice"), "choice ")
+        return value
+
+    @field_validator("guided_choice")
+    @classmethod
+    def _choice_strings(cls, value: list[str] | None) -> list[str] | None:
+        _check_choice(value, "")
+        return value
+
+    @field_validator("guided_choice", "structured_outputs")
+    @classmethod
+    def _one_choice(cls, value: Any, info: ValidationInfo) -> Any:
+        given = info.data.get("guided_choice") if info.field_name == "structured_outputs" else None
+        if value is not None and given is not None:
+            raise ValueError("give guided_choice or structured_outputs.choice, not both")
+        return value
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -110,6 +143,13 @@ class GenerationFields(StrictModel):
         if neutral is not None and value not in neutral:
             raise ValueError(f"is not supported by this server; leave it unset or {neutral[-1]!r}")
         return value
+
+    @property
+    def choice(self) -> list[str] | None:
+        """The strings the output must be one of (guided_choice or structured_outputs.choice)."""
+        if self.guided_choice is not None:
+            return self.guided_choice
+        return (self.structured_outputs or {}).get("choice")
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -152,6 +192,7 @@ class GenerationFields(StrictModel):
             logit_bias={int(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None,
             logprobs=self.num_logprobs,
             prompt_logprobs=self.num_prompt_logprobs,
+            choice=self.choice,
         )
 
 
@@ -314,6 +355,13 @@ class DetokenizeRequest(StrictModel):
 
     model: str | None = None
     tokens: list[int]  # token ids of the vocabulary
+
+
+def _check_choice(choice: Any, name: str) -> None:
+    if choice is not None and not (
+        isinstance(choice, list) and choice and all(isinstance(c, str) and c for c in choice)
+    ):
+        raise ValueError(f"{name}must be a non-empty list of non-empty strings")
 
 
 def _check_unicode(text: str) -> None:

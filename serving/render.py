@@ -43,9 +43,7 @@ class ResponseMeta:
     model: str  # the served model's name
     id: str = ""  # "<prefix>-<hex>", drawn at construction
     created: int = field(default_factory=now_s)  # Unix time of the request
-    echo: list[str] | None = (
-        None  # each choice's prompt text (chat: the last message's) to start with
-    )
+    echo: list[str] | None = None  # each choice's start: its prompt (chat: the final message)
     prompt_logprobs: bool = False  # show the prompt tokens' logprobs (vLLM's prompt_logprobs)
 
     def __post_init__(self) -> None:

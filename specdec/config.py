@@ -51,6 +51,9 @@ class SamplingParams:
     # prompt_logprobs most likely tokens' there (vLLM's option; the first token has none); a
     # request that asks is not served from the prefix cache, whose positions compute nothing
     prompt_logprobs: int | None = None
+    # the output must be one of these strings, spelled as the tokenizer spells it alone, then
+    # end (vLLM's guided choice); other tokens get -inf logits before sampling
+    choice: list[str] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -121,6 +124,19 @@ class SamplingParams:
             or (isinstance(self.num_speculative_tokens, int) and self.num_speculative_tokens >= 0),
             f"num_speculative_tokens must be a non-negative integer, got "
             f"{self.num_speculative_tokens!r}",
+        )
+        _check(
+            self.choice is None
+            or (
+                isinstance(self.choice, list)
+                and len(self.choice) > 0
+                and all(isinstance(c, str) and c for c in self.choice)
+            ),
+            f"choice must be a non-empty list of non-empty strings, got {self.choice!r}",
+        )
+        _check(
+            self.choice is None or not (self.ignore_eos or self.min_tokens),
+            "choice ends the output after the chosen string: leave ignore_eos and min_tokens unset",
         )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)

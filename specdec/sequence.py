@@ -17,6 +17,7 @@ Terms (vLLM's):
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -27,6 +28,9 @@ from specdec.config import SamplingParams
 
 if TYPE_CHECKING:
     from specdec.outputs import TokenLogprobs
+
+
+END = -1  # a choice trie's key for "a whole choice ends here"
 
 
 class SequenceStatus(enum.Enum):
@@ -80,6 +84,9 @@ class Sequence:
     metrics: SequenceMetrics = field(default_factory=SequenceMetrics)
     # with SamplingParams.prompt_logprobs: entry i is prompt token i + 1's, as far as computed
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # with SamplingParams.choice: the choices' token ids as a trie (token id -> subtree; the key
+    # END marks where a choice is complete)
+    choice_trie: dict[int, dict] | None = None
     seed: int = field(init=False)  # noise seed: params.seed, else drawn at creation
 
     def __post_init__(self) -> None:
@@ -110,6 +117,20 @@ class Sequence:
         the positions they come from)."""
         wanted = self.params.prompt_logprobs is not None
         return wanted and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+
+    def allowed_tokens(self, drafts: int) -> list[int] | None:
+        """With ``SamplingParams.choice``: the tokens that may follow the output and the first
+        ``drafts`` drafts (an end-of-sequence id where a choice is complete); None where any
+        may, or where the drafts already left every choice (a row that is never used)."""
+        if self.choice_trie is None:
+            return None
+        node = self.choice_trie
+        for token in itertools.chain(self.output_token_ids, self.spec_token_ids[:drafts]):
+            child = node.get(token)
+            if child is None:
+                return None
+            node = child
+        return [t for t in node if t != END] + (list(self.eos_token_ids) if END in node else [])
 
     @property
     def is_finished(self) -> bool:

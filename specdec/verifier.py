@@ -237,7 +237,8 @@ def _constrain_rows(
     ``logit_bias`` is added first. A sequence still short of its ``min_tokens`` cannot end
     there: its end-of-sequence and stop token ids get ``-inf`` logits, as transformers'
     ``MinNewTokensLengthLogitsProcessor`` and vLLM's ``min_tokens`` do. Penalties follow
-    (:func:`specdec.sampling.apply_penalties`)."""
+    (:func:`specdec.sampling.apply_penalties`), then ``choice``: every token that does not
+    continue a choice gets ``-inf``."""
     for row, (seq, j) in enumerate(zip(seqs, positions)):
         params = seq.params
         if params.logit_bias:
@@ -250,3 +251,8 @@ def _constrain_rows(
         if params.has_penalties:  # the drafts before row j count as generated
             output = seq.output_token_ids + seq.spec_token_ids[:j]
             apply_penalties(logits[row], params, seq.prompt_token_ids, output)
+        allowed = seq.allowed_tokens(j) if params.choice is not None else None
+        if allowed is not None:
+            kept = logits[row, allowed]
+            logits[row] = float("-inf")
+            logits[row, allowed] = kept

@@ -64,6 +64,7 @@ COMPLETION_FIELDS = [
     "logprobs",
     "echo",
     "prompt_logprobs",
+    "guided_choice",
     "best_of",
 ]
 # Values only some fields meet: token ids out of range, long stop lists, nested prompts.

@@ -319,3 +319,24 @@ def test_chat_continues_a_started_reply_and_echoes_it(served, offline):
     assert len({r.json()["choices"][0]["message"]["content"] for r in for_user}) == 1
     tokens = served.post("/tokenize", json={"messages": started} | fields).json()["tokens"]
     assert tokens == expected.prompt_token_ids
+
+
+def test_guided_choice_as_vllm_takes_it(served, offline):
+    choices = ["red", "green", "blue"]
+    params = SamplingParams(temperature=0, max_tokens=8, choice=choices)
+    expected = offline.chat(CHAT, params)[0]
+    for extra in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}}):
+        reply = served.client().chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=8, temperature=0, extra_body=extra
+        )
+        assert reply.choices[0].message.content == expected.text
+        assert reply.choices[0].finish_reason == "stop"
+    sampled = served.client().completions.create(
+        model=MODEL,
+        prompt="Pick:",
+        max_tokens=8,
+        n=6,
+        seed=1,
+        extra_body={"guided_choice": choices},
+    )
+    assert all(c.text.rstrip("#") in choices for c in sampled.choices)  # "#": an EOS id of tiny
