@@ -5,7 +5,8 @@ tokens of work, capped by the step's token budget. That one rule covers a fresh 
 chunked when it exceeds the budget), a plain decode (one token) and draft verification (the last
 token plus the drafts): there is no separate speculative phase. Running sequences are served
 first, oldest first; waiting ones are admitted while the budget, ``max_num_seqs`` and KV memory
-allow. When KV blocks run out, the newest running sequence is preempted: its blocks are freed and
+allow, except that one whose prompt shares full blocks with a running sequence's still being
+prefilled waits for them, to take them from the prefix cache. When KV blocks run out, the newest running sequence is preempted: its blocks are freed and
 it is recomputed later from its tokens, which changes no output.
 """
 
@@ -65,7 +66,11 @@ class Scheduler:
                 out.seqs.append(seq)
                 out.num_scheduled_tokens.append(num_tokens)
                 budget -= num_tokens
+        deferred: list[Sequence] = []  # waiting for a running sequence to prefill their prefix
         while self.waiting and budget and len(self.running) < self.config.max_num_seqs:
+            if self._shares_a_prefill(self.waiting[0]):
+                deferred.append(self.waiting.popleft())
+                continue
             num_tokens = self._admit(self.waiting[0], budget)
             if not num_tokens:
                 break
@@ -75,7 +80,27 @@ class Scheduler:
             out.seqs.append(seq)
             out.num_scheduled_tokens.append(num_tokens)
             budget -= num_tokens
+        self.waiting.extendleft(reversed(deferred))  # they keep their places in line
         return out
+
+    def _shares_a_prefill(self, seq: Sequence) -> bool:
+        """Whether ``seq`` should wait for a running sequence that is still prefilling blocks of
+        the prompt they share: once that one has computed them, ``seq`` takes them from the
+        prefix cache instead of computing them again (the ``n`` choices of one request, or
+        prompts with a common preamble, arriving together)."""
+        bs = self.block_manager.block_size
+        if not self.block_manager.enable_prefix_caching or seq.block_table:
+            return False
+        if seq.num_prompt_tokens <= bs or seq.needs_prompt_logprobs:
+            return False
+        head = seq.token_ids[:bs]
+        for other in self.running:
+            if other.num_computed_tokens >= other.num_prompt_tokens or other.token_ids[:bs] != head:
+                continue
+            shared = _common_prefix(seq.prompt_token_ids, other.prompt_token_ids)
+            if other.num_computed_tokens < shared // bs * bs:
+                return True
+        return False
 
     def _fit_running(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> int:
         """Allocate KV for ``num_tokens`` more positions, shedding drafts, then preempting."""
@@ -188,3 +213,18 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

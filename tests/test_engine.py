@@ -72,6 +72,24 @@ def test_prefix_cache_hits_change_no_output(make_llm):
     assert all(o.metrics.num_cached_tokens >= 40 for o in outputs)
 
 
+def test_prompts_arriving_together_prefill_their_shared_blocks_once(make_llm):
+    """The n choices of a request (and prompts with a common preamble) wait while the first
+    prefills the blocks they share, then take them from the prefix cache: every prompt token
+    is computed once, and the output is that of an engine without a prefix cache."""
+    preamble = list(range(100, 150))
+    prompts = [preamble + [1, 2]] * 4 + [preamble + [3], preamble[:30] + [4, 5]]
+    params = [SamplingParams(temperature=t, seed=i, max_tokens=8) for i, t in enumerate([0, 1] * 3)]
+    llm = make_llm(block_size=4, max_num_batched_tokens=64)
+    outputs = llm.generate(prompts, params)
+    plain = make_llm(block_size=4, max_num_batched_tokens=64, enable_prefix_caching=False)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain.generate(prompts, params)]
+    cached = [o.metrics.num_cached_tokens for o in outputs]
+    assert cached == [0, 48, 48, 48, 48, 28]  # whole blocks, the last token always computed
+    scored = SamplingParams(max_tokens=2, prompt_logprobs=0)  # skips the cache: never waits
+    again = llm.generate([prompts[0]] * 2, [scored, SamplingParams(max_tokens=2)])
+    assert [o.metrics.num_cached_tokens for o in again] == [0, 48]
+
+
 def test_max_num_seqs_limits_the_running_batch(make_llm):
     llm = make_llm(max_num_seqs=2)
     for prompt in PROMPTS:
