@@ -175,6 +175,7 @@ class Scheduler:
                 num_accepted = len(tokens) - 1
                 seq.num_computed_tokens -= num_spec - num_accepted  # rollback is arithmetic
                 seq.spec_token_ids.clear()
+                self.block_manager.register_full_blocks(seq)  # before a finish frees them
                 self._append(seq, tokens, now)
                 updated.append(seq)
             if not seq.is_finished:
