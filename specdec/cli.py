@@ -10,6 +10,7 @@ import click
 
 from specdec.cli_options import model_options, spec_config, speculation_options
 from specdec.config import SamplingParams
+from specdec.outputs import TokenLogprobs
 from specdec.serving.cli import serve
 
 
@@ -38,6 +39,17 @@ def main() -> None:
     type=int,
     help="Print each token's logprob and this many most likely tokens' (0-20).",
 )
+@click.option(
+    "--prompt-logprobs",
+    default=None,
+    type=int,
+    help="Print each prompt token's logprob and this many alternatives (0-20), and their sum.",
+)
+@click.option(
+    "--choice",
+    multiple=True,
+    help="Make the output one of these strings (repeat the option for each choice).",
+)
 @click.option("--raw", is_flag=True, help="Use prompts as raw text (skip the chat template).")
 @speculation_options
 @click.option("--stats", is_flag=True, help="Print the speculation summary.")
@@ -61,6 +73,7 @@ def generate(
     """Generate a completion for each PROMPT, in one continuous batch."""
     from specdec.llm import LLM
 
+    sampling["choice"] = list(sampling["choice"]) or None
     try:
         params = SamplingParams(**sampling)
         speculative = spec_config(
@@ -92,20 +105,30 @@ def generate(
             f"### {prompt}\n{out.text.strip()}\n[{len(out.token_ids)} tokens, "
             f"finish_reason={out.finish_reason}]\n"
         )
-        for lp in out.logprobs or []:
-            top = ", ".join(f"{llm.tokenizer.decode([t])!r} {v:.3f}" for t, v in lp.top)
-            token = llm.tokenizer.decode([lp.token_id])
-            click.echo(
-                f"  {token!r} {lp.logprob:.3f} (rank {lp.rank})" + (f"  [{top}]" if top else "")
-            )
+        if out.prompt_logprobs:
+            scored = [lp for lp in out.prompt_logprobs if lp is not None]
+            total = sum(lp.logprob for lp in scored)
+            click.echo(f"prompt: log-likelihood {total:.3f} over {len(scored)} tokens")
+            echo_logprobs(llm.tokenizer, scored)
         if out.logprobs:
-            click.echo("")
+            if out.prompt_logprobs:
+                click.echo("output:")
+            echo_logprobs(llm.tokenizer, out.logprobs)
     num_tokens = sum(len(o.token_ids) for o in outputs)
     click.echo(
         f"{num_tokens} tokens in {elapsed:.2f} s ({num_tokens / elapsed:.1f} tokens/s)", err=True
     )
     if stats:
         click.echo(spec_summary(llm), err=True)
+
+
+def echo_logprobs(tokenizer: Any, logprobs: list[TokenLogprobs]) -> None:
+    """One line per token: its text, logprob, rank and the most likely tokens'; a blank after."""
+    for lp in logprobs:
+        top = ", ".join(f"{tokenizer.decode([t])!r} {v:.3f}" for t, v in lp.top)
+        token = tokenizer.decode([lp.token_id])
+        click.echo(f"  {token!r} {lp.logprob:.3f} (rank {lp.rank})" + (f"  [{top}]" if top else ""))
+    click.echo("")
 
 
 def spec_summary(llm: Any) -> str:

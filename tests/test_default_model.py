@@ -101,6 +101,17 @@ def test_cli_generate_prints_completions():
     assert re.search(
         r"' Paris' -0\.2\d\d \(rank 1\)  \[' Paris' -0\.2\d\d, ' the' -2", result.output
     )
+    args = ["generate", "--raw", "--max-tokens", "3", "--prompt-logprobs", "0", "--logprobs", "0"]
+    result = CliRunner().invoke(main, [*args, "The capital of France is"])
+    assert result.exit_code == 0, result.output
+    assert re.search(
+        r"prompt: log-likelihood -\d+\.\d{3} over 4 tokens\n  ' capital' -", result.output
+    )
+    assert "output:\n  ' Paris' -0.2" in result.output
+    args = ["generate", "--choice", "yes", "--choice", "no", "Is water wet? Answer yes or no."]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert re.search(r"\n(yes|no)\n\[2 tokens, finish_reason=stop\]", result.output)
 
 
 def test_cli_reports_bad_input_cleanly(tmp_path):
@@ -110,6 +121,8 @@ def test_cli_reports_bad_input_cleanly(tmp_path):
     assert result.exit_code != 0 and "max_tokens must be at least 1" in result.output
     result = CliRunner().invoke(main, ["generate", "--presence-penalty", "3", "hi"])
     assert result.exit_code != 0 and "presence_penalty must be a number in [-2, 2]" in result.output
+    result = CliRunner().invoke(main, ["generate", "--choice", "", "hi"])
+    assert result.exit_code != 0 and "choice must be a non-empty list of non-empty" in result.output
     result = CliRunner().invoke(main, ["generate", "--batch-invariant", "hi"])  # float32
     assert result.exit_code != 0 and "batch-invariant kernels need bfloat16" in result.output
 
