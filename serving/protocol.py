@@ -86,12 +86,14 @@ class GenerationFields(StrictModel):
     guided_json: Any = None
     guided_regex: Any = None
     guided_grammar: Any = None
+    use_beam_search: Any = None  # vLLM's; beam search runs offline only (LLM.beam_search)
 
     # Known but not implemented: accepted only at their neutral values (see the module docstring).
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
         "guided_json": (None,),
         "guided_regex": (None,),
         "guided_grammar": (None,),
+        "use_beam_search": (None, False),
     }
 
     @field_validator("structured_outputs")

@@ -1,5 +1,6 @@
 """specdec: exact speculative decoding on a paged-KV, continuously batched runtime."""
 
+from specdec.beam_search import BeamSearchOutput, BeamSearchParams
 from specdec.config import EngineConfig, SamplingParams
 from specdec.drafters.registry import SpecConfig
 from specdec.llm import LLM, ChatOptions
@@ -8,6 +9,8 @@ from specdec.wrap import WrappedModel, wrap
 
 __all__ = [
     "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
     "ChatOptions",
     "EngineConfig",
     "RequestOutput",

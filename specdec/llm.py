@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from specdec.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from specdec.config import EngineConfig, SamplingParams, resolve_device
 from specdec.drafters.registry import SpecConfig
 from specdec.engine import Engine
@@ -154,6 +155,17 @@ class LLM:
         options = ChatOptions(add_generation_prompt, continue_final_message, chat_template_kwargs)
         prompts = [self.apply_chat_template(c, options) for c in conversations]  # type: ignore[arg-type]
         return self.generate(prompts, params)
+
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
+        """Each prompt's ``params.beam_width`` best continuations by beam search (vLLM's
+        ``LLM.beam_search``; see :mod:`specdec.beam_search`), best first."""
+        prompt_list: list[Prompt] = (
+            [prompts] if _is_single(prompts) else list(prompts)  # type: ignore[list-item, arg-type]
+        )
+        encoded = [self.encode(p) for p in prompt_list]
+        return beam_search(self, encoded, params)
 
     def stream(
         self, prompt: Prompt, params: SamplingParams | None = None

@@ -77,6 +77,7 @@ BAD_REQUESTS = [
     (C, {"prompt": "x", "structured_outputs": {"choice": "a"}}, 400, "structured_outputs: choice must be a non-empty list of non-empty strings", "structured_outputs"),
     (C, {"prompt": "x", "guided_choice": ["a"], "structured_outputs": {"choice": ["b"]}}, 400, "not both", "structured_outputs"),
     (C, {"prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json: is not supported", "guided_json"),
+    (CHAT, {"messages": MSG, "use_beam_search": True}, 400, "use_beam_search: is not supported", "use_beam_search"),
     ("/tokenize", {"prompt": "x", "messages": MSG}, 400, "give exactly one of prompt or messages", "prompt"),
     ("/tokenize", {}, 400, "give exactly one of prompt or messages", "prompt"),
     ("/tokenize", {"messages": []}, 400, "messages must contain at least one message", "messages"),
