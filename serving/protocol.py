@@ -111,11 +111,10 @@ class GenerationFields(StrictModel):
         _check_choice(value, "")
         return value
 
-    @field_validator("guided_choice", "structured_outputs")
+    @field_validator("structured_outputs")
     @classmethod
     def _one_choice(cls, value: Any, info: ValidationInfo) -> Any:
-        given = info.data.get("guided_choice") if info.field_name == "structured_outputs" else None
-        if value is not None and given is not None:
+        if value is not None and info.data.get("guided_choice") is not None:
             raise ValueError("give guided_choice or structured_outputs.choice, not both")
         return value
 

@@ -6,12 +6,14 @@ chunked when it exceeds the budget), a plain decode (one token) and draft verifi
 token plus the drafts): there is no separate speculative phase. Running sequences are served
 first, oldest first; waiting ones are admitted while the budget, ``max_num_seqs`` and KV memory
 allow, except that one whose prompt shares full blocks with a running sequence's still being
-prefilled waits for them, to take them from the prefix cache. When KV blocks run out, the newest running sequence is preempted: its blocks are freed and
-it is recomputed later from its tokens, which changes no output.
+prefilled waits for them, to take them from the prefix cache. When KV blocks run out, the newest
+running sequence is preempted: its blocks are freed and it is recomputed later from its tokens,
+which changes no output.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -97,7 +99,7 @@ class Scheduler:
         for other in self.running:
             if other.num_computed_tokens >= other.num_prompt_tokens or other.token_ids[:bs] != head:
                 continue
-            shared = _common_prefix(seq.prompt_token_ids, other.prompt_token_ids)
+            shared = len(os.path.commonprefix([seq.prompt_token_ids, other.prompt_token_ids]))
             if other.num_computed_tokens < shared // bs * bs:
                 return True
         return False
@@ -214,18 +216,3 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo

@@ -251,7 +251,7 @@ def _constrain_rows(
         if params.has_penalties:  # the drafts before row j count as generated
             output = seq.output_token_ids + seq.spec_token_ids[:j]
             apply_penalties(logits[row], params, seq.prompt_token_ids, output)
-        allowed = seq.allowed_tokens(j) if params.choice is not None else None
+        allowed = seq.allowed_tokens(j)  # None without a choice
         if allowed is not None:
             kept = logits[row, allowed]
             logits[row] = float("-inf")
