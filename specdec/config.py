@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -54,6 +55,12 @@ class SamplingParams:
     # the output must be one of these strings, spelled as the tokenizer spells it alone, then
     # end (vLLM's guided choice); other tokens get -inf logits before sampling
     choice: list[str] | None = None
+    # the output must match this regular expression in full, then end (vLLM's guided regex;
+    # the syntax: specdec/structured/regex.py)
+    regex: str | None = None
+    # the output must be a JSON document this JSON Schema accepts (a dict or its JSON text),
+    # then end (vLLM's guided json; the keywords: specdec/structured/json_schema.py)
+    json_schema: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -135,8 +142,19 @@ class SamplingParams:
             f"choice must be a non-empty list of non-empty strings, got {self.choice!r}",
         )
         _check(
-            self.choice is None or not (self.ignore_eos or self.min_tokens),
-            "choice ends the output after the chosen string: leave ignore_eos and min_tokens unset",
+            self.regex is None or (isinstance(self.regex, str) and self.regex != ""),
+            f"regex must be a non-empty string, got {self.regex!r}",
+        )
+        _check(
+            self.json_schema is None or isinstance(self.json_schema, (dict, str)),
+            f"json_schema must be a dict or its JSON text, got {type(self.json_schema).__name__}",
+        )
+        guides = [n for n in ("choice", "regex", "json_schema") if getattr(self, n) is not None]
+        _check(len(guides) <= 1, f"give one of choice, regex and json_schema, not {guides}")
+        _check(
+            not guides or not (self.ignore_eos or self.min_tokens),
+            f"{guides[0] if guides else ''} ends the output where it is complete: leave "
+            f"ignore_eos and min_tokens unset",
         )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)

@@ -23,7 +23,8 @@ from specdec.models.llama import LlamaForCausalLM
 from specdec.outputs import RequestOutput, TokenLogprobs
 from specdec.runner import ModelRunner, kv_block_bytes
 from specdec.scheduler import Scheduler
-from specdec.sequence import END, Sequence
+from specdec.sequence import Sequence
+from specdec.structured.guide import GuideFactory
 from specdec.verifier import Verifier
 from specdec.verify import select_backend
 
@@ -65,6 +66,7 @@ class Engine:
         self.verifier = Verifier(select_backend(None, self.device))
         self.detokenizer = Detokenizer(tokenizer)
         self.eos_token_ids = end_of_sequence_ids(tokenizer, target)
+        self.guides = GuideFactory(tokenizer, self.vocab_size, self.eos_token_ids)
         self.requests: dict[int, Sequence] = {}
         self._ids = itertools.count()
         self.drafter: Drafter | None = None
@@ -91,23 +93,10 @@ class Engine:
             if any(t >= self.vocab_size for t in ids):  # SamplingParams refused negative ones
                 raise ValueError(f"{name} token ids must lie in [0, {self.vocab_size})")
         seq = Sequence(next(self._ids), list(prompt_token_ids), n, params, self.eos_token_ids)
-        if params.choice is not None:
-            seq.choice_trie = self._choice_trie(params.choice)
+        seq.guide = self.guides.for_params(params)
         self.requests[seq.seq_id] = seq
         self.scheduler.add(seq)
         return seq.seq_id
-
-    def _choice_trie(self, choices: list[str]) -> dict[int, dict]:
-        """The choices' token ids (each tokenized alone) as a trie for Sequence.allowed_tokens."""
-        if not self.eos_token_ids or self.tokenizer is None:
-            raise ValueError("choice needs the model's tokenizer and end-of-sequence token")
-        trie: dict[int, dict] = {}
-        for text in choices:
-            node = trie
-            for token in self.tokenizer.encode(text, add_special_tokens=False):
-                node = node.setdefault(token, {})
-            node[END] = {}
-        return trie
 
     def abort(self, request_id: int) -> None:
         """Stop a request now and free its KV blocks (unknown or finished ids are ignored)."""

@@ -17,10 +17,9 @@ Terms (vLLM's):
 from __future__ import annotations
 
 import enum
-import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,9 +27,7 @@ from specdec.config import SamplingParams
 
 if TYPE_CHECKING:
     from specdec.outputs import TokenLogprobs
-
-
-END = -1  # a choice trie's key for "a whole choice ends here"
+    from specdec.structured.guide import Guide
 
 
 class SequenceStatus(enum.Enum):
@@ -84,9 +81,10 @@ class Sequence:
     metrics: SequenceMetrics = field(default_factory=SequenceMetrics)
     # with SamplingParams.prompt_logprobs: entry i is prompt token i + 1's, as far as computed
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    # with SamplingParams.choice: the choices' token ids as a trie (token id -> subtree; the key
-    # END marks where a choice is complete)
-    choice_trie: dict[int, dict] | None = None
+    # with SamplingParams.choice, regex or json_schema: which tokens may come next (see
+    # specdec/structured/guide.py), and its state after each output token walked so far
+    guide: Guide | None = None
+    guide_states: list[Any] = field(default_factory=list)
     seed: int = field(init=False)  # noise seed: params.seed, else drawn at creation
 
     def __post_init__(self) -> None:
@@ -118,19 +116,25 @@ class Sequence:
         wanted = self.params.prompt_logprobs is not None
         return wanted and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
-    def allowed_tokens(self, drafts: int) -> list[int] | None:
-        """With ``SamplingParams.choice``: the tokens that may follow the output and the first
-        ``drafts`` drafts (an end-of-sequence id where a choice is complete); None where any
-        may, or where the drafts already left every choice (a row that is never used)."""
-        if self.choice_trie is None:
+    def allowed_tokens(self, drafts: int) -> list[int] | torch.Tensor | None:
+        """With a guide: the tokens that may follow the output and the first ``drafts`` drafts
+        (ids, or a [V] bool mask; end-of-sequence ids where the output is whole); None where any
+        may, or where the drafts already left the guide's language (a row that is never used).
+        The states along the output are kept, so each step walks only what is new."""
+        if self.guide is None:
             return None
-        node = self.choice_trie
-        for token in itertools.chain(self.output_token_ids, self.spec_token_ids[:drafts]):
-            child = node.get(token)
-            if child is None:
-                return None
-            node = child
-        return [t for t in node if t != END] + (list(self.eos_token_ids) if END in node else [])
+        states = self.guide_states or [self.guide.start()]
+        self.guide_states = states
+        while len(states) <= self.num_output_tokens:
+            state = states[-1]
+            token = self.token_ids[self.num_prompt_tokens + len(states) - 1]
+            states.append(None if state is None else self.guide.advance(state, token))
+        state = states[self.num_output_tokens]
+        for token in self.spec_token_ids[:drafts]:
+            if state is None:
+                break
+            state = self.guide.advance(state, token)
+        return None if state is None else self.guide.allowed(state)
 
     @property
     def is_finished(self) -> bool:

@@ -237,8 +237,8 @@ def _constrain_rows(
     ``logit_bias`` is added first. A sequence still short of its ``min_tokens`` cannot end
     there: its end-of-sequence and stop token ids get ``-inf`` logits, as transformers'
     ``MinNewTokensLengthLogitsProcessor`` and vLLM's ``min_tokens`` do. Penalties follow
-    (:func:`specdec.sampling.apply_penalties`), then ``choice``: every token that does not
-    continue a choice gets ``-inf``."""
+    (:func:`specdec.sampling.apply_penalties`), then a guide's (``choice``, ``regex``,
+    ``json_schema``): every token it does not allow there gets ``-inf``."""
     for row, (seq, j) in enumerate(zip(seqs, positions)):
         params = seq.params
         if params.logit_bias:
@@ -251,8 +251,10 @@ def _constrain_rows(
         if params.has_penalties:  # the drafts before row j count as generated
             output = seq.output_token_ids + seq.spec_token_ids[:j]
             apply_penalties(logits[row], params, seq.prompt_token_ids, output)
-        allowed = seq.allowed_tokens(j)  # None without a choice
-        if allowed is not None:
+        allowed = seq.allowed_tokens(j)  # None without a guide
+        if isinstance(allowed, torch.Tensor):  # a [V] mask
+            logits[row].masked_fill_(~allowed.to(logits.device), float("-inf"))
+        elif allowed is not None:
             kept = logits[row, allowed]
             logits[row] = float("-inf")
             logits[row, allowed] = kept

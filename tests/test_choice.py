@@ -9,7 +9,8 @@ import torch
 from scipy.stats import chisquare
 
 from specdec import SamplingParams, SpecConfig
-from specdec.sequence import END, Sequence
+from specdec.sequence import Sequence
+from specdec.structured.guide import END, ChoiceGuide
 from specdec.verifier import Verifier
 from tests.test_penalties import OracleDrafter
 
@@ -120,7 +121,7 @@ def test_speculation_keeps_the_constrained_output(make_llm, temperature):
 def test_allowed_tokens_walk_the_choices(make_llm):
     llm = make_llm()
     seq = Sequence(0, [5], 1, SamplingParams(choice=["ab", "abc"]), eos_token_ids=(257,))
-    seq.choice_trie = llm.engine._choice_trie(["ab", "abc"])
+    seq.guide = guide = ChoiceGuide(["ab", "abc"], llm.tokenizer, (257,))
     a, b, c = spelled(llm, "abc")
     assert seq.allowed_tokens(0) == [a]
     seq.token_ids.append(a)
@@ -129,7 +130,7 @@ def test_allowed_tokens_walk_the_choices(make_llm):
     assert seq.allowed_tokens(1) == [c, 257]  # "ab" is complete: it may end, or go on to "abc"
     assert seq.allowed_tokens(2) == [257]
     assert seq.allowed_tokens(3) is None  # past a draft no choice has: a row never used
-    assert END in seq.choice_trie[a][b]
+    assert END in guide.trie[a][b]
 
 
 @pytest.mark.parametrize(

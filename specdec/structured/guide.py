@@ -1,0 +1,188 @@
+"""Guides: which tokens may come next in a guided request (``SamplingParams.choice``, ``regex``,
+``json_schema``).
+
+A guide walks the output token by token from its :meth:`start` state; :meth:`allowed` gives the
+tokens that keep the output on a path to a whole match, end-of-sequence ids included where the
+output is one already. The verifier gives every other token ``-inf`` in each verification row,
+at the state reached through the drafts before that row (specdec/verifier.py), so the output is
+the one plain decoding under the same constraint gives, whatever the drafter.
+
+:class:`RegexGuide` indexes the vocabulary against a byte DFA (:mod:`specdec.structured.regex`):
+each token's bytes (:func:`token_bytes`) are walked from a state, all tokens at once with numpy,
+once per state reached, and the resulting mask is kept (Outlines' index, built lazily).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from specdec.structured.json_schema import schema_regex
+from specdec.structured.regex import DEAD, DFA, compile_regex
+
+END = -1  # a choice trie's key for "a whole choice ends here"
+GUIDE_CACHE = 32  # compiled patterns an engine keeps
+
+
+class Guide(Protocol):
+    def start(self) -> Any: ...
+
+    def advance(self, state: Any, token: int) -> Any | None:
+        """The state after ``token``, or None where the output has left every match."""
+
+    def allowed(self, state: Any) -> list[int] | torch.Tensor:
+        """The tokens that may follow: ids, or a [V] bool mask."""
+
+
+class ChoiceGuide:
+    """The output is one of a few strings, each spelled as the tokenizer spells it alone: the
+    choices' token ids as a trie (token id -> subtree; the key :data:`END` marks where a choice
+    is complete)."""
+
+    def __init__(self, choices: list[str], tokenizer: Any, eos_token_ids: tuple[int, ...]):
+        self.trie: dict[int, dict] = {}
+        self.eos_token_ids = list(eos_token_ids)
+        for text in choices:
+            node = self.trie
+            for token in tokenizer.encode(text, add_special_tokens=False):
+                node = node.setdefault(token, {})
+            node[END] = {}
+
+    def start(self) -> dict[int, dict]:
+        return self.trie
+
+    def advance(self, state: dict[int, dict], token: int) -> dict[int, dict] | None:
+        return state.get(token)
+
+    def allowed(self, state: dict[int, dict]) -> list[int]:
+        return [t for t in state if t != END] + (self.eos_token_ids if END in state else [])
+
+
+def token_bytes(tokenizer: Any, vocab_size: int) -> list[bytes]:
+    """Each token id's bytes in the text, ``b""`` for special tokens and ids the tokenizer lacks.
+
+    Byte-level BPE vocabularies (GPT-2's, SmolLM2's) spell each byte as one printable character;
+    SentencePiece ones write a space as ``▁`` and bytes with no piece of their own as ``<0xNN>``.
+    """
+    pieces = tokenizer.convert_ids_to_tokens(list(range(min(len(tokenizer), vocab_size))))
+    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+    byte_of = _byte_level_alphabet()
+    ordinary = [p for i, p in enumerate(pieces) if i not in special and p]
+    byte_level = all(c in byte_of for p in ordinary for c in p)
+    out = []
+    for i, piece in enumerate(pieces):
+        if i in special or not piece:
+            out.append(b"")
+        elif byte_level:
+            out.append(bytes(byte_of[c] for c in piece))
+        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            out.append(bytes([int(piece[3:5], 16)]))
+        else:
+            out.append(piece.replace("▁", " ").encode())
+    return out + [b""] * (vocab_size - len(out))
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte: printable Latin-1 bytes stand for
+    themselves, the other 68 bytes for the code points from 256 up, in byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    pairs = [(chr(b), b) for b in printable] + [(chr(256 + n), b) for n, b in enumerate(others)]
+    return dict(pairs)
+
+
+class Vocabulary:
+    """A tokenizer's token bytes laid out for walking every token through a DFA at once: the
+    tokens with any bytes, longest first, as a [T, longest] byte matrix."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        spelled = token_bytes(tokenizer, vocab_size)
+        for eos in eos_token_ids:  # an end-of-sequence id ends the output, whatever it spells
+            spelled[eos] = b""
+        self.spelled, self.size = spelled, vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        ids = [i for i, b in enumerate(spelled) if b]
+        ids.sort(key=lambda i: -len(spelled[i]))
+        self.ids = np.array(ids, np.int64)
+        self.lengths = np.array([len(spelled[i]) for i in ids], np.int64)
+        longest = int(self.lengths[0]) if ids else 0
+        self.matrix = np.zeros((len(ids), longest), np.uint8)
+        for row, i in enumerate(ids):
+            self.matrix[row, : len(spelled[i])] = np.frombuffer(spelled[i], np.uint8)
+        # how many tokens are longer than k bytes, for k = 0 .. longest - 1
+        self.longer = [int((self.lengths > k).sum()) for k in range(longest)]
+
+
+class RegexGuide:
+    """The output matches a regular expression in full (then ends)."""
+
+    def __init__(self, dfa: DFA, vocabulary: Vocabulary):
+        self.dfa, self.vocabulary = dfa, vocabulary
+        self.masks: dict[int, torch.Tensor] = {}
+
+    def start(self) -> int:
+        return self.dfa.start
+
+    def advance(self, state: int, token: int) -> int | None:
+        spelled = self.vocabulary.spelled[token] if token < self.vocabulary.size else b""
+        if not spelled:  # an end-of-sequence id ends the output; other specials never match
+            return None
+        state = self.dfa.walk(state, spelled)
+        return None if state == DEAD else state
+
+    def allowed(self, state: int) -> torch.Tensor:
+        mask = self.masks.get(state)
+        if mask is None:
+            mask = self.masks[state] = self._mask(state)
+        return mask
+
+    def _mask(self, state: int) -> torch.Tensor:
+        v, table = self.vocabulary, self.dfa.table
+        at = np.full(len(v.ids), state, np.int32)
+        for k, count in enumerate(v.longer):  # the tokens longer than k bytes read byte k
+            at[:count] = table[at[:count], v.matrix[:count, k]]
+        mask = np.zeros(v.size, bool)
+        mask[v.ids[at != DEAD]] = True
+        accepting = bool(self.dfa.accepting[state])
+        if accepting or not mask.any():  # a whole match may end; a dead end ends, not stalls
+            mask[v.eos_token_ids] = True
+        return torch.from_numpy(mask)
+
+
+class GuideFactory:
+    """An engine's guides: compiled patterns kept (least recently used out) across requests."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, eos_token_ids
+        self._vocabulary: Vocabulary | None = None
+        self._cache: OrderedDict[str, RegexGuide] = OrderedDict()
+
+    def for_params(self, params: Any) -> Guide | None:
+        """The guide of a request's ``SamplingParams`` (None if unguided); ValueError for a
+        pattern or schema this engine cannot follow."""
+        if params.choice is None and params.regex is None and params.json_schema is None:
+            return None
+        if not self.eos_token_ids or self.tokenizer is None:
+            raise ValueError(
+                "guided decoding needs the model's tokenizer and end-of-sequence token"
+            )
+        if params.choice is not None:
+            return ChoiceGuide(params.choice, self.tokenizer, self.eos_token_ids)
+        if params.regex is not None:
+            return self._regex(params.regex)
+        return self._regex(schema_regex(params.json_schema))
+
+    def _regex(self, pattern: str) -> RegexGuide:
+        guide = self._cache.get(pattern)
+        if guide is None:
+            if self._vocabulary is None:
+                self._vocabulary = Vocabulary(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            guide = RegexGuide(compile_regex(pattern), self._vocabulary)
+            self._cache[pattern] = guide
+            if len(self._cache) > GUIDE_CACHE:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(pattern)
+        return guide

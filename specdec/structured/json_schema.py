@@ -1,0 +1,187 @@
+"""A JSON Schema as a regular expression whose every match is a JSON document the schema
+accepts, as Outlines (Willard and Louf 2023) builds one for guided generation.
+
+Objects list their properties in the schema's order: required ones always, optional ones where
+the model chooses, and no others. Between JSON tokens at most one space is allowed
+(:data:`WHITESPACE`), as in Outlines: a small model offered free whitespace can spend its whole
+budget on it. Free-form values (``{}``, ``true``, an object without ``properties``,
+``response_format: json_object``) nest at most :data:`FREE_DEPTH` levels: JSON itself is not
+regular, so some depth must be fixed.
+
+Supported keywords: ``type`` (one or a list), ``properties``, ``required``, ``items``,
+``minItems``, ``maxItems``, ``enum``, ``const``, ``anyOf``, ``oneOf``, a one-item ``allOf``,
+``minLength``, ``maxLength``, ``pattern``, ``format`` (``date``, ``time``, ``date-time``,
+``uuid``), ``$ref`` into ``$defs`` / ``definitions`` (at most :data:`MAX_REF_DEPTH` deep, so a
+recursive schema is cut there), and the annotations that constrain nothing (``title``,
+``description``, ``default``, ``examples``, ``$schema``, ``$id``, ``additionalProperties``).
+Any other keyword is refused by name rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+WHITESPACE = r"[ ]?"
+STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
+STRING = f'"{STRING_CHAR}*"'
+INTEGER = r"-?(?:0|[1-9][0-9]*)"
+NUMBER = INTEGER + r"(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
+SCALARS = {"string": STRING, "integer": INTEGER, "number": NUMBER,
+           "boolean": "(?:true|false)", "null": "null"}  # fmt: skip
+FORMATS = {
+    "date": r"[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])",
+    "time": r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?(?:Z|[+-][0-9]{2}:[0-9]{2})?",
+    "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
+}
+FORMATS["date-time"] = FORMATS["date"] + "T" + FORMATS["time"]
+FREE_DEPTH = 2  # nesting of free-form objects and arrays
+MAX_REF_DEPTH = 3
+ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment",
+               "additionalProperties", "$defs", "definitions"}  # fmt: skip
+KEYWORDS = ANNOTATIONS | {"type", "properties", "required", "items", "minItems", "maxItems",
+                          "enum", "const", "anyOf", "oneOf", "allOf", "minLength", "maxLength",
+                          "pattern", "format", "$ref"}  # fmt: skip
+
+
+def schema_regex(schema: dict[str, Any] | bool | str) -> str:
+    """The regular expression of ``schema`` (a dict, a boolean, or its JSON text)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"json_schema is not valid JSON: {e}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"json_schema must be an object, got {type(schema).__name__}")
+    return _Builder(schema).value(schema, 0)
+
+
+def free_json_regex(depth: int = FREE_DEPTH, top_object: bool = False) -> str:
+    """Any JSON value nested at most ``depth`` levels (an object, if ``top_object``)."""
+    scalars = "|".join(SCALARS.values())
+    value = f"(?:{scalars})"
+    for _ in range(depth):
+        obj = _object_of(f"{STRING}{WHITESPACE}:{WHITESPACE}{value}")
+        array = _sequence(value, 0, None)
+        value = f"(?:{scalars}|{obj}|{array})"
+    return _object_of(f"{STRING}{WHITESPACE}:{WHITESPACE}{value}") if top_object else value
+
+
+def _object_of(member: str) -> str:
+    w = WHITESPACE
+    return rf"\{{{w}(?:{member}(?:{w},{w}{member})*)?{w}\}}"
+
+
+def _sequence(item: str, low: int, high: int | None) -> str:
+    """A JSON array of ``low`` to ``high`` (None: any number of) ``item``s."""
+    w = WHITESPACE
+    more = f"(?:{w},{w}{item})"
+    if high is not None and high < low:
+        raise ValueError(f"maxItems ({high}) is below minItems ({low})")
+    if high == 0:
+        return rf"\[{w}\]"
+    rest = f"{more}{{{max(low - 1, 0)},{'' if high is None else high - 1}}}"
+    body = f"{item}{rest}"
+    return rf"\[{w}{body}{w}\]" if low > 0 else rf"\[{w}(?:{body})?{w}\]"
+
+
+def _literal(value: Any) -> str:
+    return re.escape(json.dumps(value, ensure_ascii=False))
+
+
+class _Builder:
+    def __init__(self, root: dict[str, Any] | bool):
+        self.defs: dict[str, Any] = {}
+        if isinstance(root, dict):
+            self.defs = {**root.get("definitions", {}), **root.get("$defs", {})}
+
+    def value(self, schema: dict[str, Any] | bool, refs: int) -> str:
+        if schema is True or schema == {}:
+            return free_json_regex()
+        if schema is False:
+            raise ValueError("json_schema false accepts nothing")
+        unknown = sorted(set(schema) - KEYWORDS)
+        if unknown:
+            raise ValueError(f"json_schema keyword {unknown[0]!r} is not supported")
+        if "$ref" in schema:
+            return self.reference(schema["$ref"], refs)
+        if "const" in schema:
+            return _literal(schema["const"])
+        if "enum" in schema:
+            return "(?:" + "|".join(_literal(v) for v in schema["enum"]) + ")"
+        for key in ("anyOf", "oneOf"):
+            if key in schema:
+                return "(?:" + "|".join(self.value(s, refs) for s in schema[key]) + ")"
+        if "allOf" in schema:
+            if len(schema["allOf"]) != 1:
+                raise ValueError("json_schema allOf is supported with one schema only")
+            return self.value(schema["allOf"][0], refs)
+        kind = schema.get("type")
+        if kind is None:
+            kind = "object" if "properties" in schema else "array" if "items" in schema else None
+        if kind is None:
+            return free_json_regex()
+        if isinstance(kind, list):
+            return "(?:" + "|".join(self.typed(schema, k, refs) for k in kind) + ")"
+        return self.typed(schema, kind, refs)
+
+    def reference(self, ref: str, refs: int) -> str:
+        name = ref.split("/")[-1]
+        if not re.fullmatch(r"#/(\$defs|definitions)/[^/]+", ref) or name not in self.defs:
+            raise ValueError(f"json_schema $ref {ref!r} does not name an entry of $defs")
+        if refs >= MAX_REF_DEPTH:
+            raise ValueError(
+                f"json_schema $ref {ref!r} nests more than {MAX_REF_DEPTH} deep (recursion?)"
+            )
+        return self.value(self.defs[name], refs + 1)
+
+    def typed(self, schema: dict[str, Any], kind: str, refs: int) -> str:
+        if kind == "string":
+            return self.string(schema)
+        if kind in SCALARS:
+            return SCALARS[kind]
+        if kind == "array":
+            item = self.value(schema.get("items", {}), refs)
+            return _sequence(item, schema.get("minItems", 0), schema.get("maxItems"))
+        if kind == "object":
+            if "properties" not in schema:
+                return free_json_regex(top_object=True)
+            return self.object(schema, refs)
+        raise ValueError(f"json_schema type {kind!r} is not a JSON type")
+
+    def string(self, schema: dict[str, Any]) -> str:
+        if "pattern" in schema:
+            return '"' + schema["pattern"].removeprefix("^").removesuffix("$") + '"'
+        if "format" in schema:
+            if schema["format"] not in FORMATS:
+                raise ValueError(f"json_schema string format {schema['format']!r} is not supported")
+            return f'"{FORMATS[schema["format"]]}"'
+        low, high = schema.get("minLength", 0), schema.get("maxLength")
+        if low == 0 and high is None:
+            return STRING
+        return f'"{STRING_CHAR}{{{low},{"" if high is None else high}}}"'
+
+    def object(self, schema: dict[str, Any], refs: int) -> str:
+        """The properties in order, each required one present, optional ones where the model
+        chooses; commas only between the members present."""
+        w = WHITESPACE
+        required = set(schema.get("required", []))
+        members = [
+            (f"{_literal(name)}{w}:{w}{self.value(sub, refs)}", name in required)
+            for name, sub in schema["properties"].items()
+        ]
+        missing = required - set(schema["properties"])
+        if missing:
+            raise ValueError(f"json_schema requires {sorted(missing)[0]!r}, not in properties")
+        first_required = next((i for i, (_, r) in enumerate(members) if r), len(members))
+        options = []
+        for first in range(min(first_required + 1, len(members))):
+            rest = "".join(
+                f"{w},{w}{m}" if r else f"(?:{w},{w}{m})?" for m, r in members[first + 1 :]
+            )
+            options.append(members[first][0] + rest)
+        body = "|".join(options)
+        if not required:
+            body = f"(?:{body})?" if body else ""
+        return rf"\{{{w}(?:{body}){w}\}}"

@@ -1,0 +1,381 @@
+"""Regular expressions compiled to a DFA over UTF-8 bytes, for guided decoding.
+
+A guided request's output must match a pattern in full, and the model emits tokens, each a few
+bytes that may split a character. So the pattern becomes an automaton over bytes: parse it
+(:class:`_Parser`, a subset of Python's ``re`` syntax), build a Thompson NFA whose character sets
+are spelled as UTF-8 byte ranges (:func:`utf8_ranges`, after Russ Cox's RE2 and the
+``utf8-ranges`` construction), then a dense DFA by subset construction (:func:`compile_regex`).
+Outlines (Willard and Louf 2023, "Efficient Guided Generation for Large Language Models") and
+vLLM's guided decoding index a tokenizer's vocabulary against such an automaton; we do the same
+in :mod:`specdec.structured.guide`.
+
+Supported: literals, ``.``, classes ``[a-z]`` and ``[^...]``, the escapes ``\\d \\w \\s \\D \\W
+\\S \\n \\t \\r \\f \\v \\xhh \\uhhhh`` and escaped metacharacters, groups ``(...)`` and
+``(?:...)``, alternation, and the quantifiers ``* + ? {n} {n,} {n,m}`` (lazy forms match the same
+strings). The classes ``\\d \\w \\s`` are ASCII, as with ``re.ASCII`` and in JSON Schema's
+ECMA-262 patterns; ``.`` is any character but a newline. ``^`` and ``$`` are accepted at the ends
+only (the match is always whole). Backreferences, lookarounds and flags are refused with a ValueError, as are patterns whose DFA
+would exceed :data:`MAX_STATES`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+MAX_CODEPOINT = 0x10FFFF
+MAX_STATES = 20_000  # DFA states before a pattern is refused as too complex
+MAX_REPEAT = 1_000  # the largest {n,m} bound
+DEAD = 0  # the DFA state no match can leave
+
+Ranges = list[tuple[int, int]]  # sorted, disjoint, inclusive code point ranges
+
+DIGIT: Ranges = [(0x30, 0x39)]
+WORD: Ranges = [(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)]
+SPACE: Ranges = [(0x09, 0x0D), (0x20, 0x20)]
+ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "0": "\0"}
+CLASSES = {"d": DIGIT, "w": WORD, "s": SPACE}
+
+
+def normalize(ranges: Ranges) -> Ranges:
+    out: Ranges = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def complement(ranges: Ranges) -> Ranges:
+    out, start = [], 0
+    for lo, hi in normalize(ranges):
+        if lo > start:
+            out.append((start, lo - 1))
+        start = hi + 1
+    return out + ([(start, MAX_CODEPOINT)] if start <= MAX_CODEPOINT else [])
+
+
+# -- the parse tree: ("set", ranges) | ("cat", [nodes]) | ("alt", [nodes]) | ("rep", node, m, n)
+
+
+class _Parser:
+    """A recursive-descent parser of the supported subset (see the module docstring)."""
+
+    def __init__(self, pattern: str):
+        self.p, self.i = pattern, 0
+
+    def error(self, what: str) -> ValueError:
+        return ValueError(f"regex {self.p!r}: {what} at position {self.i}")
+
+    def parse(self) -> tuple:
+        if self.p.startswith("^"):
+            self.i = 1
+        node = self.alternation()
+        if self.i < len(self.p) and self.p[self.i :] == "$":
+            self.i += 1
+        if self.i < len(self.p):
+            raise self.error(f"unexpected {self.p[self.i]!r}")
+        return node
+
+    def peek(self) -> str | None:
+        return self.p[self.i] if self.i < len(self.p) else None
+
+    def alternation(self) -> tuple:
+        options = [self.concatenation()]
+        while self.peek() == "|":
+            self.i += 1
+            options.append(self.concatenation())
+        return options[0] if len(options) == 1 else ("alt", options)
+
+    def concatenation(self) -> tuple:
+        items = []
+        while self.peek() not in (None, "|", ")"):
+            if self.p[self.i :] == "$":
+                break
+            items.append(self.quantified(self.atom()))
+        return ("cat", items)
+
+    def quantified(self, node: tuple) -> tuple:
+        while True:
+            c = self.peek()
+            if c in ("*", "+", "?"):
+                self.i += 1
+                low, high = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
+            elif c == "{" and self._is_bound():
+                low, high = self.bound()
+            else:
+                return node
+            if self.peek() == "?":  # lazy: the same strings match
+                self.i += 1
+            if self.peek() in ("*", "+", "?") or (self.peek() == "{" and self._is_bound()):
+                raise self.error("possessive or repeated quantifiers are not supported")
+            node = ("rep", node, low, high)
+
+    def _is_bound(self) -> bool:
+        end = self.p.find("}", self.i)
+        body = self.p[self.i + 1 : end] if end > 0 else ""
+        return bool(body) and all(part.strip().isdigit() or part == "" for part in body.split(","))
+
+    def bound(self) -> tuple[int, int | None]:
+        end = self.p.index("}", self.i)
+        body, self.i = self.p[self.i + 1 : end], end + 1
+        parts = body.split(",")
+        if len(parts) > 2 or not parts[0]:
+            raise self.error(f"bad repetition {{{body}}}")
+        low = int(parts[0])
+        high = low if len(parts) == 1 else (int(parts[1]) if parts[1] else None)
+        if high is not None and (high < low or high > MAX_REPEAT) or low > MAX_REPEAT:
+            raise self.error(f"repetition {{{body}}} out of range (at most {MAX_REPEAT})")
+        return low, high
+
+    def atom(self) -> tuple:
+        c = self.p[self.i]
+        self.i += 1
+        if c == "(":
+            if self.p.startswith("?:", self.i):
+                self.i += 2
+            elif self.peek() == "?":
+                raise self.error("lookarounds, flags and named groups are not supported")
+            node = self.alternation()
+            if self.peek() != ")":
+                raise self.error("missing )")
+            self.i += 1
+            return node
+        if c == "[":
+            return ("set", self.char_class())
+        if c == ".":
+            return ("set", complement([(0x0A, 0x0A)]))
+        if c == "\\":
+            return ("set", self.escape())
+        if c in "*+?":
+            raise self.error(f"nothing to repeat before {c!r}")
+        if c in "^$":
+            raise self.error(f"{c!r} is supported only at the ends of the pattern")
+        return ("set", [(ord(c), ord(c))])
+
+    def escape(self) -> Ranges:
+        if self.i >= len(self.p):
+            raise self.error("trailing backslash")
+        c = self.p[self.i]
+        self.i += 1
+        if c.lower() in CLASSES:
+            ranges = CLASSES[c.lower()]
+            return complement(ranges) if c.isupper() else ranges
+        if c in ESCAPES:
+            return [(ord(ESCAPES[c]), ord(ESCAPES[c]))]
+        if c in "xu":
+            width = 2 if c == "x" else 4
+            digits = self.p[self.i : self.i + width]
+            if len(digits) != width or any(d not in "0123456789abcdefABCDEF" for d in digits):
+                raise self.error(f"bad \\{c} escape")
+            self.i += width
+            return [(int(digits, 16), int(digits, 16))]
+        if c.isalnum():
+            raise self.error(f"unsupported escape \\{c} (backreferences, anchors, classes)")
+        return [(ord(c), ord(c))]
+
+    def char_class(self) -> Ranges:
+        negate = self.peek() == "^"
+        self.i += negate
+        ranges: Ranges = []
+        first = True
+        while True:
+            if self.i >= len(self.p):
+                raise self.error("missing ]")
+            c = self.p[self.i]
+            if c == "]" and not first:
+                self.i += 1
+                break
+            first = False
+            self.i += 1
+            item = self.escape() if c == "\\" else [(ord(c), ord(c))]
+            if (
+                len(item) == 1 and item[0][0] == item[0][1]
+                and self.peek() == "-" and self.p[self.i + 1 : self.i + 2] not in ("]", "")
+            ):  # fmt: skip
+                self.i += 1
+                d = self.p[self.i]
+                self.i += 1
+                high = self.escape() if d == "\\" else [(ord(d), ord(d))]
+                if len(high) != 1 or high[0][0] != high[0][1] or high[0][0] < item[0][0]:
+                    raise self.error("bad range in a character class")
+                item = [(item[0][0], high[0][0])]
+            ranges += item
+        return complement(ranges) if negate else normalize(ranges)
+
+
+# -- UTF-8 byte ranges
+
+
+def utf8_ranges(lo: int, hi: int) -> list[list[tuple[int, int]]]:
+    """The code points ``lo..hi`` (surrogates excluded) as sequences of byte ranges: a string
+    of bytes is one of these code points' UTF-8 encodings iff it matches one sequence."""
+    out: list[list[tuple[int, int]]] = []
+    stack = [(lo, hi)]
+    while stack:
+        lo, hi = stack.pop()
+        if lo > hi:
+            continue
+        if lo <= 0xDFFF and hi >= 0xD800:  # surrogates have no UTF-8 encoding
+            stack += [(lo, 0xD7FF), (0xE000, hi)]
+            continue
+        split = next((b for b in (0x7F, 0x7FF, 0xFFFF) if lo <= b < hi), None)
+        if split is not None:  # one encoded length per range
+            stack += [(lo, split), (split + 1, hi)]
+            continue
+        if hi <= 0x7F:
+            out.append([(lo, hi)])
+            continue
+        for i in (1, 2, 3):  # split until only the leading bytes differ in full spans
+            m = (1 << (6 * i)) - 1
+            if lo & ~m != hi & ~m:
+                if lo & m:
+                    stack += [(lo, lo | m), ((lo | m) + 1, hi)]
+                    break
+                if hi & m != m:
+                    stack += [(lo, (hi & ~m) - 1), (hi & ~m, hi)]
+                    break
+        else:
+            a, b = chr(lo).encode(), chr(hi).encode()
+            out.append(list(zip(a, b)))
+    return out
+
+
+# -- Thompson NFA over bytes, then the DFA
+
+
+@dataclass(slots=True)
+class _NFA:
+    eps: list[list[int]]  # state -> epsilon successors
+    edges: list[list[tuple[int, int]]]  # state -> (256-bit byte mask, successor)
+
+    def state(self) -> int:
+        self.eps.append([])
+        self.edges.append([])
+        return len(self.eps) - 1
+
+
+def _mask(lo: int, hi: int) -> int:
+    return ((1 << (hi - lo + 1)) - 1) << lo
+
+
+def _bits(mask: int) -> np.ndarray:
+    raw = np.frombuffer(mask.to_bytes(32, "little"), np.uint8)
+    return np.unpackbits(raw, bitorder="little").astype(bool)
+
+
+def _build(nfa: _NFA, node: tuple, start: int) -> int:
+    """Add ``node`` to ``nfa`` from ``start``; return its end state."""
+    kind = node[0]
+    if kind == "set":
+        end = nfa.state()
+        for lo, hi in node[1]:
+            for seq in utf8_ranges(lo, hi):
+                at = start
+                for k, (a, b) in enumerate(seq):
+                    nxt = end if k == len(seq) - 1 else nfa.state()
+                    nfa.edges[at].append((_mask(a, b), nxt))
+                    at = nxt
+        return end
+    if kind == "cat":
+        for item in node[1]:
+            start = _build(nfa, item, start)
+        return start
+    if kind == "alt":
+        end = nfa.state()
+        for option in node[1]:
+            nfa.eps[_build(nfa, option, start)].append(end)
+        return end
+    _, inner, low, high = node
+    for _ in range(low):
+        start = _build(nfa, inner, start)
+    if high is None:  # a loop: start -> inner -> start
+        loop = nfa.state()
+        nfa.eps[start].append(loop)
+        nfa.eps[_build(nfa, inner, loop)].append(loop)
+        return loop
+    end = nfa.state()
+    for _ in range(high - low):
+        nfa.eps[start].append(end)
+        start = _build(nfa, inner, start)
+    nfa.eps[start].append(end)
+    return end
+
+
+@dataclass(slots=True)
+class DFA:
+    """``table[s, b]``: the state after byte ``b`` from state ``s``; :data:`DEAD` (0) is the
+    state from which nothing matches, and every state that cannot reach a match is folded into
+    it. ``accepting[s]``: whether the bytes read so far match in full. Start: state 1."""
+
+    table: np.ndarray  # [S, 256] int32
+    accepting: np.ndarray  # [S] bool
+    start: int = 1
+
+    def walk(self, state: int, data: bytes) -> int:
+        for byte in data:
+            state = int(self.table[state, byte])
+            if state == DEAD:
+                break
+        return state
+
+    def fullmatch(self, text: str) -> bool:
+        return bool(self.accepting[self.walk(self.start, text.encode())])
+
+
+def compile_regex(pattern: str) -> DFA:
+    """``pattern`` as a :class:`DFA` over UTF-8 bytes (ValueError where it is unsupported)."""
+    nfa = _NFA([], [])
+    start = nfa.state()
+    final = _build(nfa, _Parser(pattern).parse(), start)
+
+    def closure(states: set[int]) -> frozenset[int]:
+        stack, seen = list(states), set(states)
+        while stack:
+            for t in nfa.eps[stack.pop()]:
+                if t not in seen:
+                    seen.add(t)
+                    stack.append(t)
+        return frozenset(seen)
+
+    ids: dict[frozenset[int], int] = {frozenset(): DEAD}
+    rows: list[np.ndarray] = [np.zeros(256, np.int32)]
+    first = closure({start})
+    ids[first], todo = 1, [first]
+    rows.append(np.zeros(256, np.int32))
+    while todo:
+        current = todo.pop()
+        edges = [e for s in current for e in nfa.edges[s]]
+        if not edges:
+            continue
+        member = np.stack([_bits(mask) for mask, _ in edges])  # [edges, 256]
+        signatures, inverse = np.unique(member.T, axis=0, return_inverse=True)
+        row = rows[ids[current]]
+        for k, signature in enumerate(signatures):
+            target = closure({edges[e][1] for e in np.flatnonzero(signature)})
+            if target not in ids:
+                if len(ids) >= MAX_STATES:
+                    raise ValueError(f"regex {pattern!r} needs more than {MAX_STATES} states")
+                ids[target] = len(ids)
+                rows.append(np.zeros(256, np.int32))
+                todo.append(target)
+            row[inverse.reshape(-1) == k] = ids[target]
+    table = np.stack(rows)
+    accepting = np.zeros(len(ids), bool)
+    for states, i in ids.items():
+        accepting[i] = final in states
+    return DFA(_prune(table, accepting), accepting)
+
+
+def _prune(table: np.ndarray, accepting: np.ndarray) -> np.ndarray:
+    """``table`` with every transition into a state that cannot reach a match sent to DEAD."""
+    live = accepting.copy()
+    while True:
+        grown = live | live[table].any(axis=1)
+        grown[DEAD] = False
+        if (grown == live).all():
+            break
+        live = grown
+    return np.where(live[table], table, DEAD).astype(np.int32)
