@@ -58,14 +58,17 @@ class Generation:
         num_prompt_tokens: int,
         prompt_param: str,
         discard_output: bool = False,
+        guide_param: str = "structured_outputs",
     ):
         """``discard_output``: show no generated token (``max_tokens`` 0 with echo: the engine
-        generates one, as it must, and it is dropped)."""
+        generates one, as it must, and it is dropped). ``guide_param``: the field a guide the
+        engine refuses (a pattern too large to compile) is reported under."""
         self.state = state
         self.requests = requests  # one per choice, in choice order
         self.num_prompt_tokens = num_prompt_tokens  # over distinct prompts (usage counts them once)
         self.prompt_param = prompt_param  # the field a refused prompt is reported under
         self.discard_output = discard_output
+        self.guide_param = guide_param
         self.choices = [Choice() for _ in requests]
         self.arrival_time = time.perf_counter()
         self._outputs: asyncio.Queue = asyncio.Queue()
@@ -80,11 +83,13 @@ class Generation:
         await self.state.gate.acquire(len(self.requests))
         self._admitted = True
         try:
+            await self._compile_guides()
             ids = await self.state.engine.add(self.requests, self._outputs)
         except ValueError as e:  # the engine's checks: the prompt, or ids of the vocabulary
             self.close()
             field = str(e).split(" ")[0]
             param = field if field in ("stop_token_ids", "logit_bias") else self.prompt_param
+            param = self.guide_param if field == "regex" else param
             raise APIError(400, str(e), param=param) from e
         except EngineDeadError as e:
             self.close()
@@ -136,6 +141,17 @@ class Generation:
             completion_tokens=completion,
             total_tokens=self.num_prompt_tokens + completion,
         )
+
+    async def _compile_guides(self) -> None:
+        """Compile each distinct regex or schema on a worker thread, off the event loop and the
+        engine's thread (a large schema takes a second); the engine then finds it compiled."""
+        guides, seen = self.state.llm.engine.guides, set()
+        for request in self.requests:
+            params = request.params
+            key = (params.regex, str(params.json_schema))
+            if (params.regex is not None or params.json_schema is not None) and key not in seen:
+                seen.add(key)
+                await asyncio.to_thread(guides.for_params, params)
 
     def close(self) -> None:
         """Abort unfinished sequences and release the admission room (safe to call again)."""

@@ -23,6 +23,7 @@ from specdec.config import MAX_LOGPROBS, SamplingParams
 from specdec.llm import CHAT_TEMPLATE_ARGUMENTS, ChatOptions
 
 MAX_N = 128  # most choices per prompt, as OpenAI allows
+STRUCTURED_KINDS = ("choice", "regex", "json", "json_object")  # of structured_outputs
 _INT64 = 2**63
 
 
@@ -80,29 +81,49 @@ class GenerationFields(StrictModel):
     repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)
 
     logit_bias: dict[str, float] | None = None  # token id (a string) -> bias in [-100, 100]
-    # extra (vLLM's): the output is one of these strings; or {"choice": [...]}, vLLM's newer form
+    # extra (vLLM's): the output is one of these strings (guided_choice), matches a regular
+    # expression (guided_regex) or is JSON a schema accepts (guided_json); or vLLM's newer
+    # structured_outputs: {"choice": [...]}, {"regex": ...}, {"json": ...}, {"json_object": true}
     guided_choice: list[str] | None = None
+    guided_regex: str | None = None
+    guided_json: Any = None  # a JSON Schema: an object, or its text
     structured_outputs: dict[str, Any] | None = None
-    guided_json: Any = None
-    guided_regex: Any = None
     guided_grammar: Any = None
     use_beam_search: Any = None  # vLLM's; beam search runs offline only (LLM.beam_search)
 
     # Known but not implemented: accepted only at their neutral values (see the module docstring).
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "guided_json": (None,),
-        "guided_regex": (None,),
         "guided_grammar": (None,),
         "use_beam_search": (None, False),
     }
+    GUIDED: ClassVar[tuple[str, ...]] = ("guided_choice", "guided_regex", "guided_json")
 
     @field_validator("structured_outputs")
     @classmethod
-    def _choice_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        for key, item in (value or {}).items():
-            if key != "choice" and item is not None:
-                raise ValueError(f"{key} is not supported by this server; only choice is")
-        _check_choice((value or {}).get("choice"), "choice ")
+    def _known_kinds(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        kinds = {k: v for k, v in (value or {}).items() if v is not None and v is not False}
+        for key in kinds:
+            if key not in STRUCTURED_KINDS:
+                raise ValueError(
+                    f"{key} is not supported by this server; use one of "
+                    f"{', '.join(STRUCTURED_KINDS)}"
+                )
+        if len(kinds) > 1:
+            raise ValueError(f"give one kind, not {', '.join(kinds)}")
+        _check_choice(kinds.get("choice"), "choice ")
+        if "regex" in kinds and not isinstance(kinds["regex"], str):
+            raise ValueError("regex must be a string")
+        if "json" in kinds and not isinstance(kinds["json"], (dict, str)):
+            raise ValueError("json must be a JSON Schema (an object, or its text)")
+        if "json_object" in kinds and kinds["json_object"] is not True:
+            raise ValueError("json_object must be true or false")
+        return value
+
+    @field_validator("guided_json")
+    @classmethod
+    def _schema(cls, value: Any) -> Any:
+        if value is not None and not isinstance(value, (dict, str)):
+            raise ValueError("must be a JSON Schema (an object, or its text)")
         return value
 
     @field_validator("guided_choice")
@@ -111,11 +132,14 @@ class GenerationFields(StrictModel):
         _check_choice(value, "")
         return value
 
-    @field_validator("structured_outputs")
+    @field_validator("guided_regex", "guided_json", "structured_outputs")
     @classmethod
-    def _one_choice(cls, value: Any, info: ValidationInfo) -> Any:
-        if value is not None and info.data.get("guided_choice") is not None:
-            raise ValueError("give guided_choice or structured_outputs.choice, not both")
+    def _one_guide(cls, value: Any, info: ValidationInfo) -> Any:
+        given = _guides_given(info)  # the fields before this one
+        if given and value is not None and (info.field_name != "structured_outputs" or any(
+            v is not None and v is not False for v in value.values()
+        )):  # fmt: skip
+            raise ValueError(f"give one of {given[0]} and {info.field_name}, not both")
         return value
 
     @field_validator("stop", mode="before")
@@ -145,12 +169,31 @@ class GenerationFields(StrictModel):
             raise ValueError(f"is not supported by this server; leave it unset or {neutral[-1]!r}")
         return value
 
-    @property
-    def choice(self) -> list[str] | None:
-        """The strings the output must be one of (guided_choice or structured_outputs.choice)."""
-        if self.guided_choice is not None:
-            return self.guided_choice
-        return (self.structured_outputs or {}).get("choice")
+    def guide(self) -> dict[str, Any]:
+        """The guide as SamplingParams takes it: ``{"choice" | "regex" | "json_schema": ...}``
+        or nothing, from whichever field gave it (validated: one at most)."""
+        structured = {k: v for k, v in (self.structured_outputs or {}).items() if v is not None}
+        for field, kind, key in (
+            ("guided_choice", "choice", "choice"),
+            ("guided_regex", "regex", "regex"),
+            ("guided_json", "json", "json_schema"),
+        ):
+            if getattr(self, field) is not None:
+                return {key: getattr(self, field)}
+            if kind in structured:
+                return {key: structured[kind]}
+        if structured.get("json_object"):
+            return {"json_schema": {"type": "object"}}
+        return {}
+
+    def param_of(self, name: str) -> str:
+        """The request field to name in an error about SamplingParams' field ``name``: the
+        field that gave the guide for ``choice``, ``regex`` and ``json_schema``."""
+        return self.guide_field() if name in ("choice", "regex", "json_schema") else name
+
+    def guide_field(self) -> str:
+        given = [n for n in self.GUIDED if getattr(self, n) is not None]
+        return given[0] if given else "structured_outputs"
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -193,7 +236,7 @@ class GenerationFields(StrictModel):
             logit_bias={int(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None,
             logprobs=self.num_logprobs,
             prompt_logprobs=self.num_prompt_logprobs,
-            choice=self.choice,
+            **self.guide(),
         )
 
 
@@ -302,13 +345,42 @@ class ChatCompletionRequest(GenerationFields, ChatTemplateFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # and this many alternatives
     tools: Any = None
     tool_choice: Any = None
-    response_format: Any = None
+    # OpenAI's: {"type": "text"} (the default), {"type": "json_object"} (any JSON object), or
+    # {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}
+    response_format: dict[str, Any] | None = None
     NEUTRAL = {
         **GenerationFields.NEUTRAL,
         "tools": (None, []),
         "tool_choice": (None, "none"),
-        "response_format": (None, {"type": "text"}),
     }
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, value: dict[str, Any] | None, info: ValidationInfo) -> Any:
+        kind = (value or {}).get("type", "text")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise ValueError(f"type must be text, json_object or json_schema, got {kind!r}")
+        if kind == "json_schema":
+            spec = value.get("json_schema") if value else None
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise ValueError('json_schema needs {"name": ..., "schema": {...}}')
+        if kind != "text":
+            given = _guides_given(info)
+            if given:
+                raise ValueError(f"give one of {given[0]} and response_format, not both")
+        return value
+
+    def guide_field(self) -> str:
+        kind = (self.response_format or {}).get("type", "text")
+        return super().guide_field() if kind == "text" else "response_format"
+
+    def guide(self) -> dict[str, Any]:
+        kind = (self.response_format or {}).get("type", "text")
+        if kind == "json_object":
+            return {"json_schema": {"type": "object"}}
+        if kind == "json_schema":
+            return {"json_schema": (self.response_format or {})["json_schema"].get("schema", {})}
+        return super().guide()
 
     @field_validator("messages")
     @classmethod
@@ -356,6 +428,15 @@ class DetokenizeRequest(StrictModel):
 
     model: str | None = None
     tokens: list[int]  # token ids of the vocabulary
+
+
+def _guides_given(info: ValidationInfo) -> list[str]:
+    """The fields of a request validated so far that give a guide."""
+    names = [n for n in GenerationFields.GUIDED if info.data.get(n) is not None]
+    structured = info.data.get("structured_outputs")
+    if structured and any(v is not None and v is not False for v in structured.values()):
+        names.append("structured_outputs")
+    return names
 
 
 def _check_choice(choice: Any, name: str) -> None:

@@ -234,11 +234,13 @@ def make_generation(
             try:
                 params = body.sampling_params(max(max_tokens, 1), choice)
             except ValueError as e:
-                raise APIError(400, str(e), param=str(e).split(" ")[0]) from e
+                raise APIError(400, str(e), param=body.param_of(str(e).split(" ")[0])) from e
             requests.append(GenerationRequest(prompt, params, body.num_speculative_tokens))
     num_prompt_tokens = sum(len(p) for p in prompts)
     discard = body.requested_max_tokens == 0
-    return Generation(state, requests, num_prompt_tokens, prompt_param, discard)
+    return Generation(
+        state, requests, num_prompt_tokens, prompt_param, discard, guide_param=body.guide_field()
+    )
 
 
 def fit_max_tokens(body: GenerationFields, num_prompt_tokens: int, max_model_len: int) -> int:

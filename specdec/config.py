@@ -12,6 +12,9 @@ from typing import Any
 
 import torch
 
+from specdec.structured.json_schema import schema_regex
+from specdec.structured.regex import check_regex
+
 # Temperatures below this decode greedily, as in vLLM: at 1e-38 and below, logits / temperature
 # overflows float32 and the distribution becomes NaN, and long before that it is one-hot anyway.
 MIN_SAMPLING_TEMPERATURE = 1e-5
@@ -149,6 +152,10 @@ class SamplingParams:
             self.json_schema is None or isinstance(self.json_schema, (dict, str)),
             f"json_schema must be a dict or its JSON text, got {type(self.json_schema).__name__}",
         )
+        if self.regex is not None:  # the syntax now; the DFA when the request is added
+            check_regex(self.regex)
+        if self.json_schema is not None:
+            check_regex(schema_regex(self.json_schema))
         guides = [n for n in ("choice", "regex", "json_schema") if getattr(self, n) is not None]
         _check(len(guides) <= 1, f"give one of choice, regex and json_schema, not {guides}")
         _check(

@@ -251,9 +251,12 @@ def test_bad_guided_parameters_are_refused(options, message):
         SamplingParams(**options)
 
 
-def test_an_unsupported_pattern_leaves_no_request_behind(make_llm):
+def test_a_pattern_the_engine_cannot_compile_leaves_no_request_behind(make_llm, monkeypatch):
     llm = make_llm()
-    with pytest.raises(ValueError, match="lookarounds"):
-        llm.generate([[1, 2]], SamplingParams(regex="(?=a)"))
+    with pytest.raises(ValueError, match="lookarounds"):  # its syntax: refused at once
+        SamplingParams(regex="(?=a)")
+    monkeypatch.setattr(regex_module, "MAX_STATES", 4)
+    with pytest.raises(ValueError, match="needs more than 4 states"):  # its size: when added
+        llm.generate([[1, 2], [3]], SamplingParams(regex="[a-z]{9}"))
     assert not llm.engine.has_unfinished() and not llm.engine.requests
     assert llm.generate([[1, 2]], SamplingParams(max_tokens=2))[0].finish_reason == "length"

@@ -14,6 +14,7 @@ once per state reached, and the resulting mask is kept (Outlines' index, built l
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from typing import Any, Protocol
 
@@ -159,6 +160,7 @@ class GuideFactory:
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, eos_token_ids
         self._vocabulary: Vocabulary | None = None
         self._cache: OrderedDict[str, RegexGuide] = OrderedDict()
+        self._lock = threading.Lock()
 
     def for_params(self, params: Any) -> Guide | None:
         """The guide of a request's ``SamplingParams`` (None if unguided); ValueError for a
@@ -176,13 +178,18 @@ class GuideFactory:
         return self._regex(schema_regex(params.json_schema))
 
     def _regex(self, pattern: str) -> RegexGuide:
-        guide = self._cache.get(pattern)
-        if guide is None:
+        """The pattern's guide, compiled once (the server compiles it on a worker thread before
+        the engine's thread asks for it: the cache is shared under a lock)."""
+        with self._lock:
+            guide = self._cache.get(pattern)
+            if guide is not None:
+                self._cache.move_to_end(pattern)
+                return guide
             if self._vocabulary is None:
                 self._vocabulary = Vocabulary(self.tokenizer, self.vocab_size, self.eos_token_ids)
-            guide = RegexGuide(compile_regex(pattern), self._vocabulary)
+        guide = RegexGuide(compile_regex(pattern), self._vocabulary)
+        with self._lock:
             self._cache[pattern] = guide
             if len(self._cache) > GUIDE_CACHE:
                 self._cache.popitem(last=False)
-        self._cache.move_to_end(pattern)
         return guide

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 MAX_CODEPOINT = 0x10FFFF
-MAX_STATES = 20_000  # DFA states before a pattern is refused as too complex
+MAX_STATES = 10_000  # DFA states before a pattern is refused (about 3 s of compiling)
 MAX_REPEAT = 1_000  # the largest {n,m} bound
 DEAD = 0  # the DFA state no match can leave
 
@@ -57,6 +57,11 @@ def complement(ranges: Ranges) -> Ranges:
     return out + ([(start, MAX_CODEPOINT)] if start <= MAX_CODEPOINT else [])
 
 
+def shown(pattern: str, limit: int = 80) -> str:
+    """``pattern`` quoted for an error message, cut short if long (a schema's can be huge)."""
+    return repr(pattern) if len(pattern) <= limit else repr(pattern[:limit]) + "..."
+
+
 # -- the parse tree: ("set", ranges) | ("cat", [nodes]) | ("alt", [nodes]) | ("rep", node, m, n)
 
 
@@ -67,7 +72,7 @@ class _Parser:
         self.p, self.i = pattern, 0
 
     def error(self, what: str) -> ValueError:
-        return ValueError(f"regex {self.p!r}: {what} at position {self.i}")
+        return ValueError(f"regex {shown(self.p)}: {what} at position {self.i}")
 
     def parse(self) -> tuple:
         if self.p.startswith("^"):
@@ -325,6 +330,12 @@ class DFA:
         return bool(self.accepting[self.walk(self.start, text.encode())])
 
 
+def check_regex(pattern: str) -> None:
+    """Raise the ValueError :func:`compile_regex` would for ``pattern``'s syntax (cheap: it
+    parses, builds nothing)."""
+    _Parser(pattern).parse()
+
+
 def compile_regex(pattern: str) -> DFA:
     """``pattern`` as a :class:`DFA` over UTF-8 bytes (ValueError where it is unsupported)."""
     nfa = _NFA([], [])
@@ -357,7 +368,7 @@ def compile_regex(pattern: str) -> DFA:
             target = closure({edges[e][1] for e in np.flatnonzero(signature)})
             if target not in ids:
                 if len(ids) >= MAX_STATES:
-                    raise ValueError(f"regex {pattern!r} needs more than {MAX_STATES} states")
+                    raise ValueError(f"regex {shown(pattern)} needs more than {MAX_STATES} states")
                 ids[target] = len(ids)
                 rows.append(np.zeros(256, np.int32))
                 todo.append(target)

@@ -65,6 +65,9 @@ COMPLETION_FIELDS = [
     "echo",
     "prompt_logprobs",
     "guided_choice",
+    "guided_regex",
+    "guided_json",
+    "structured_outputs",
     "best_of",
 ]
 # Values only some fields meet: token ids out of range, long stop lists, nested prompts.
@@ -77,6 +80,10 @@ SPECIAL = [
     ("prompt", '["ok", 5]'),
     ("stop_token_ids", "[18446744073709551617]"),
     ("stop_token_ids", "[-1]"),
+    ("guided_regex", json.dumps("(a|b)*a(a|b){2000}")),  # refused by its bound, not compiled
+    ("guided_regex", json.dumps("[\\ud800]")),
+    ("guided_json", json.dumps({"$defs": {"n": {"$ref": "#/$defs/n"}}, "$ref": "#/$defs/n"})),
+    ("structured_outputs", json.dumps({"json_object": True})),
     ("stop", json.dumps(["x" * 3000] * 1000)),  # 3 MB of stop strings: refused, not run
     ("stop", json.dumps([f"s{i}" for i in range(10_000)])),
     ("stream_options", '{"include_usage": "yes"}'),

@@ -340,3 +340,31 @@ def test_guided_choice_as_vllm_takes_it(served, offline):
         extra_body={"guided_choice": choices},
     )
     assert all(c.text.rstrip("#") in choices for c in sampled.choices)  # "#": an EOS id of tiny
+
+
+def test_guided_regex_and_json_as_vllm_and_openai_take_them(served, offline):
+    """Every field that names a guide gives the offline engine's output under that guide."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    cases = [
+        ({"regex": "[a-c]{2}[0-9]+"}, [{"guided_regex": "[a-c]{2}[0-9]+"},
+                                       {"structured_outputs": {"regex": "[a-c]{2}[0-9]+"}}]),
+        ({"json_schema": schema}, [{"guided_json": schema}, {"structured_outputs": {"json": schema}},
+                                   {"response_format": {"type": "json_schema",
+                                                        "json_schema": {"name": "n", "schema": schema}}}]),
+        ({"json_schema": {"type": "object"}}, [{"structured_outputs": {"json_object": True}},
+                                               {"response_format": {"type": "json_object"}}]),
+    ]  # fmt: skip
+    for guide, bodies in cases:
+        params = SamplingParams(temperature=0, max_tokens=24, **guide)
+        expected = offline.chat(CHAT, params)[0]
+        for extra in bodies:
+            body = {"messages": CHAT, "max_tokens": 24, "temperature": 0} | extra
+            reply = served.post("/v1/chat/completions", json=body).json()
+            assert reply["choices"][0]["message"]["content"] == expected.text, extra
+    sampled = served.client().completions.create(
+        model=MODEL, prompt="Pick:", max_tokens=40, n=4, seed=3,
+        extra_body={"guided_json": schema},
+    )  # fmt: skip
+    for choice in sampled.choices:
+        if choice.finish_reason == "stop":  # "#": an EOS id of the tiny tokenizer
+            assert isinstance(json.loads(choice.text.rstrip("#"))["n"], int)
