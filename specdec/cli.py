@@ -50,6 +50,12 @@ def main() -> None:
     multiple=True,
     help="Make the output one of these strings (repeat the option for each choice).",
 )
+@click.option("--regex", default=None, help="Make the output match this regular expression.")
+@click.option(
+    "--json-schema",
+    default=None,
+    help="Make the output JSON that this JSON Schema accepts (its text, or @FILE).",
+)
 @click.option("--raw", is_flag=True, help="Use prompts as raw text (skip the chat template).")
 @speculation_options
 @click.option("--stats", is_flag=True, help="Print the speculation summary.")
@@ -75,6 +81,10 @@ def generate(
 
     sampling["choice"] = list(sampling["choice"]) or None
     try:
+        schema = sampling["json_schema"]
+        if schema is not None and schema.startswith("@"):
+            with open(schema[1:], encoding="utf-8") as f:
+                sampling["json_schema"] = f.read()
         params = SamplingParams(**sampling)
         speculative = spec_config(
             drafter,

@@ -1,6 +1,7 @@
 """The embedded default model (SmolLM2-135M-Instruct): greedy output equals transformers'."""
 
 import copy
+import json
 import re
 
 import pytest
@@ -112,6 +113,23 @@ def test_cli_generate_prints_completions():
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert re.search(r"\n(yes|no)\n\[2 tokens, finish_reason=stop\]", result.output)
+    args = ["generate", "--regex", r"[0-9]{4}", "--max-tokens", "8", "In what year did WW2 end?"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert re.search(r"\n[0-9]{4}\n\[\d tokens, finish_reason=stop\]", result.output)
+
+
+def test_cli_generate_follows_a_json_schema_from_a_file(tmp_path):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    args = ["generate", "--json-schema", f"@{tmp_path / 'schema.json'}", "--max-tokens", "30"]
+    result = CliRunner().invoke(main, [*args, "Name the capital of France as JSON."])
+    assert result.exit_code == 0, result.output
+    text = result.output.split("\n")[1]
+    assert isinstance(json.loads(text)["city"], str), result.output
+    args = ["generate", "--json-schema", '{"type": "integer", "minimum": 1}', "hi"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code != 0 and "keyword 'minimum' is not supported" in result.output
 
 
 def test_cli_reports_bad_input_cleanly(tmp_path):
