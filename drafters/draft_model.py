@@ -17,11 +17,11 @@ it first catches up on the tokens the target accepted since it last ran (one bat
 every sequence's new tokens, which also yields the first draft), then proposes the remaining
 drafts one batched forward at a time.
 
-Drafts are chosen by :func:`specdec.sampling.next_tokens`, the target's own rule, on the draft's
-logits: greedy requests take the draft's argmax; sampled requests take the winner of the
-exponential race over the draft distribution ``q`` (processed exactly like the target's ``p``)
-with the noise of the position drafted, the very noise the target's race at that position uses.
-This *Gumbel-max coupling* (Daliri, Musco and Suresh 2024, "Coupling without Communication and
+Drafts are chosen by :func:`specdec.verifier.draft_tokens`, the target's own rule, on the draft's
+logits processed as the target's are (bias, penalties, a guided request's allowed tokens):
+greedy requests take the draft's argmax; sampled requests take the winner of the exponential race
+over the draft distribution ``q`` (processed exactly like the target's ``p``) with the noise of
+the position drafted, the very noise the target's race at that position uses. This *Gumbel-max coupling* (Daliri, Musco and Suresh 2024, "Coupling without Communication and
 Drafter-Invariant Speculative Decoding") makes the draft equal the target's token whenever the
 two races have the same winner, and the verifier accepts a draft exactly then
 (specdec/verifier.py), so nothing about ``q`` needs to be kept. A draft is accepted with
@@ -51,9 +51,9 @@ from specdec.loader import LoadedCheckpoint, load_checkpoint, prequantized_weigh
 from specdec.models.llama import LlamaForCausalLM
 from specdec.models.quant import QUANTIZATIONS, default_draft_quantization
 from specdec.runner import ModelRunner, QueryChunk
-from specdec.sampling import next_tokens
 from specdec.scheduler import Scheduler
 from specdec.sequence import Sequence
+from specdec.verifier import draft_tokens
 
 if TYPE_CHECKING:
     from specdec.engine import Engine
@@ -158,9 +158,7 @@ class DraftModelDrafter(DrafterBase):
         live = list(range(len(seqs)))  # sequences still drafting
         for j in range(max(ks)):
             logits = self.runner.forward([chunks[i] for i in live])[0]  # [len(live), V]
-            drafting = [seqs[i] for i in live]
-            keys = [(seq.seed, seq.num_tokens + j) for seq in drafting]  # the drafted positions
-            tokens = next_tokens(logits, [seq.params for seq in drafting], keys)
+            tokens = draft_tokens(logits, [seqs[i] for i in live])
             next_live = []
             for i, token in zip(live, tokens):
                 seq = seqs[i]

@@ -44,8 +44,8 @@ from specdec.attention import AttentionMetadata
 from specdec.drafters.base import DrafterBase, FinishedStep
 from specdec.drafters.heads import DraftVocabHead, HeadsOptions, load_for_target
 from specdec.models.llama import DecoderLayer, ModelArchConfig, RMSNorm, Rope
-from specdec.sampling import next_tokens
 from specdec.sequence import Sequence
+from specdec.verifier import draft_tokens
 
 if TYPE_CHECKING:
     from specdec.engine import Engine
@@ -245,9 +245,7 @@ class EagleDrafter(DrafterBase):
         live = list(range(len(seqs)))
         for j in range(max(ks)):
             chosen = [seqs[i] for i in live]
-            keys = [(seq.seed, seq.num_tokens + j) for seq in chosen]
-            logits = self.vocab.full_logits(features)
-            tokens = next_tokens(logits, [seq.params for seq in chosen], keys)
+            tokens = draft_tokens(self.vocab.full_logits(features), chosen)
             for seq, token in zip(chosen, tokens):
                 seq.spec_token_ids.append(token)
             keep = [a for a, i in enumerate(live) if j + 1 < ks[i]]

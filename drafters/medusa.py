@@ -25,8 +25,8 @@ from torch import nn
 
 from specdec.drafters.base import DrafterBase, FinishedStep
 from specdec.drafters.heads import DraftVocabHead, HeadsConfig, HeadsOptions, load_for_target
-from specdec.sampling import next_tokens
 from specdec.sequence import Sequence
+from specdec.verifier import draft_tokens
 
 if TYPE_CHECKING:
     from specdec.engine import Engine
@@ -95,8 +95,7 @@ class MedusaDrafter(DrafterBase):
         for j in range(depth):  # head j + 1 drafts position num_tokens + j
             live = [a for a, (_, k) in enumerate(drafting) if k > j]
             chosen = [drafting[a][0] for a in live]
-            keys = [(seq.seed, seq.num_tokens + j) for seq in chosen]
-            tokens = next_tokens(logits[j, live], [seq.params for seq in chosen], keys)
+            tokens = draft_tokens(logits[j, live], chosen)
             for seq, token in zip(chosen, tokens):
                 seq.spec_token_ids.append(token)
 

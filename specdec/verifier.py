@@ -193,7 +193,7 @@ class Verifier:
         row_seqs = [seq for seq, n in zip(seqs, num_rows) for _ in range(n)]  # [M]
         row_j = [j for n in num_rows for j in range(n)]  # [M] draft position of each row
         rows = logits.clone()  # the step's raw logits stay as they are, for return_logits
-        _constrain_rows(row_seqs, rows, row_j)
+        constrain_rows(row_seqs, rows, row_j)
         sampled = [r for r, seq in enumerate(row_seqs) if not seq.params.is_greedy]
         noise = torch.ones_like(logits)  # greedy rows read no noise
         if sampled:
@@ -222,11 +222,27 @@ class Verifier:
         """The row token of each sequence at draft position ``j`` (its bonus row when ``j == k``):
         the token at position ``num_tokens + j`` of its token ids."""
         keys = [(seq.seed, seq.num_tokens + j) for seq in seqs]
-        _constrain_rows(seqs, logits, [j] * len(seqs))
+        constrain_rows(seqs, logits, [j] * len(seqs))
         return next_tokens(logits, [seq.params for seq in seqs], keys)
 
 
-def _constrain_rows(
+@torch.inference_mode()  # a draft runner's logits are inference tensors
+def draft_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """Each sequence's next draft, after the drafts it has so far, from a drafter's raw logits
+    [len(seqs), V] (changed in place): the target's rule (:func:`next_tokens`, keyed by the
+    drafted position) on logits constrained as the target's row there will be
+    (:func:`constrain_rows`: bias, ``min_tokens``, penalties, a guide), so that a draft the guide
+    forbids is never proposed, only to be rejected."""
+    positions = [len(seq.spec_token_ids) for seq in seqs]
+    constrain_rows(seqs, logits, positions)
+    dead = ~torch.isfinite(logits).any(dim=1)  # a reduced draft vocabulary the guide excludes:
+    if dead.any():  # any draft then, which the target will reject
+        logits[dead] = 0.0
+    keys = [(seq.seed, seq.num_tokens + j) for seq, j in zip(seqs, positions)]
+    return next_tokens(logits, [seq.params for seq in seqs], keys)
+
+
+def constrain_rows(
     seqs: list[Sequence],  # [L] the sequence of each row
     logits: torch.Tensor,  # [L, V] raw logits, changed in place
     positions: list[int],  # [L] the draft position j of each row

@@ -11,11 +11,12 @@ import torch
 from scipy.stats import chisquare
 
 from specdec import SamplingParams, SpecConfig
+from specdec.sequence import Sequence
 from specdec.structured import regex as regex_module
 from specdec.structured.guide import token_bytes
 from specdec.structured.json_schema import free_json_regex, schema_regex
 from specdec.structured.regex import compile_regex
-from specdec.verifier import Verifier
+from specdec.verifier import Verifier, draft_tokens
 from tests.test_detokenizer import metaspace_tokenizer, smollm2_tokenizer
 from tests.test_penalties import OracleDrafter
 from tests.tiny import byte_tokenizer
@@ -260,3 +261,24 @@ def test_a_pattern_the_engine_cannot_compile_leaves_no_request_behind(make_llm, 
         llm.generate([[1, 2], [3]], SamplingParams(regex="[a-z]{9}"))
     assert not llm.engine.has_unfinished() and not llm.engine.requests
     assert llm.generate([[1, 2]], SamplingParams(max_tokens=2))[0].finish_reason == "length"
+
+
+def test_drafts_follow_the_guide_as_the_target_will(make_llm):
+    """A drafter's logits get the guide's mask at each draft's own state, so it proposes only
+    tokens the target could accept; a row the mask leaves empty (a reduced draft vocabulary)
+    still gives a draft, which the target then rejects."""
+    llm = make_llm()
+    params = SamplingParams(temperature=0, regex="ab[0-9]+")
+    seq = Sequence(0, [5, 6], 2, params, eos_token_ids=llm.engine.eos_token_ids)
+    seq.guide = llm.engine.guides.for_params(params)
+    a, b, zero, z = llm.tokenizer.encode("ab0z", add_special_tokens=False)
+    vocab = llm.engine.vocab_size
+    logits = torch.zeros(1, vocab)
+    logits[0, z] = 9.0  # the draft model's favourite, which the guide forbids
+    assert draft_tokens(logits.clone(), [seq]) == [a]
+    seq.spec_token_ids = [a, b]
+    logits[0, zero] = 1.0
+    assert draft_tokens(logits.clone(), [seq]) == [zero]
+    outside = torch.full((1, vocab), float("-inf"))
+    outside[0, z] = 0.0
+    assert len(draft_tokens(outside, [seq])) == 1
