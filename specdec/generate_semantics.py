@@ -16,14 +16,13 @@ import transformers
 
 from specdec.config import SamplingParams
 from specdec.loader import eos_ids_of
-from specdec.sampling import process_logits_for
+from specdec.sampling import apply_penalties, process_logits_for
 
 # Generation-config fields the engine does not implement, with the values that leave them off.
 UNSUPPORTED = {
     "num_beams": (None, 1),
     "num_beam_groups": (None, 1),
     "penalty_alpha": (None,),
-    "repetition_penalty": (None, 1.0),
     "encoder_repetition_penalty": (None, 1.0),
     "no_repeat_ngram_size": (None, 0),
     "bad_words_ids": (None,),
@@ -95,6 +94,13 @@ def prompt_rows(
     rows = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids.cpu(), attention_mask.cpu())]
     if any(not row for row in rows):
         raise ValueError("a row of input_ids has no token under its attention_mask")
+    penalty = config.repetition_penalty
+    if penalty not in (None, 1.0) and any(len(row) < input_ids.shape[1] for row in rows):
+        raise ValueError(
+            "repetition_penalty with padded rows is not supported by specdec.wrap: transformers "
+            "counts the padding tokens as context (penalising the pad id, often an EOS id); "
+            "give rows of one length, or one row per call"
+        )
     return rows
 
 
@@ -123,6 +129,7 @@ def sampling_params(
             top_k=int(config.top_k or 0) if sample else 0,
             top_p=float(config.top_p or 1.0) if sample else 1.0,
             min_p=float(config.min_p or 0.0) if sample else 0.0,
+            repetition_penalty=float(config.repetition_penalty or 1.0),  # greedy rows too
             seed=seed,
             stop_token_ids=list(eos_ids_of(config)),
             ignore_eos=True,  # the config's EOS ids above, not the engine's, end a row
@@ -157,17 +164,23 @@ def assemble(
 def scores(
     logits: list[torch.Tensor | None],  # [B] each [n_b, V] raw logits of row b's tokens
     params: list[SamplingParams],  # [B]
+    prompts: list[list[int]],  # [B] each row's prompt
+    outputs: list[list[int]],  # [B] each row's generated tokens
 ) -> list[torch.Tensor | None]:  # [B] each [n_b, V]
     """transformers' ``scores``, up to a constant per row: the logits after the processors
-    (``min_new_tokens`` masks the EOS ids) and, when sampling, log-probabilities after the
-    warpers (temperature, top-k, top-p, min-p); ``compute_transition_scores`` gives the same
-    log-probabilities either way."""
+    (``repetition_penalty`` over the prompt and the tokens before each step, ``min_new_tokens``
+    masks the EOS ids) and, when sampling, log-probabilities after the warpers (temperature,
+    top-k, top-p, min-p); ``compute_transition_scores`` gives the same log-probabilities either
+    way."""
     scores: list[torch.Tensor | None] = []
-    for rows, sp in zip(logits, params):
+    for rows, sp, prompt, output in zip(logits, params, prompts, outputs):
         if rows is None:
             scores.append(None)
             continue
         rows = rows.clone()
+        if sp.repetition_penalty != 1:
+            for t in range(len(rows)):
+                apply_penalties(rows[t], sp, prompt, output[:t])
         rows[: sp.min_tokens, sp.stop_token_ids] = float("-inf")
         if not sp.is_greedy:
             rows = process_logits_for(rows, [sp] * len(rows)).log()

@@ -149,9 +149,10 @@ class WrappedModel:
         if not config.return_dict_in_generate:
             return sequences
         logits = [out.logits for out in outputs]
+        scores = hf.scores(logits, params, prompts, new_tokens) if config.output_scores else None
         return GenerateDecoderOnlyOutput(
             sequences=sequences,  # type: ignore[arg-type]
-            scores=hf.per_step(hf.scores(logits, params)) if config.output_scores else None,  # type: ignore[arg-type]
+            scores=hf.per_step(scores) if scores else None,  # type: ignore[arg-type]
             logits=hf.per_step(logits) if config.output_logits else None,  # type: ignore[arg-type]
         )
 

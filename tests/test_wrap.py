@@ -7,6 +7,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+import transformers
 from scipy.stats import chisquare
 from transformers import GPT2Config, GPT2LMHeadModel, TextIteratorStreamer, TextStreamer
 
@@ -203,8 +204,11 @@ def test_wrong_arguments_are_refused():
         fast.generate(ids, max_new_token=4)
     with pytest.raises(ValueError, match=r"num_beams=2\) is not supported"):
         fast.generate(ids, num_beams=2)
-    with pytest.raises(ValueError, match="repetition_penalty"):
-        fast.generate(ids, repetition_penalty=1.3)
+    with pytest.raises(ValueError, match="no_repeat_ngram_size"):
+        fast.generate(ids, no_repeat_ngram_size=2)
+    padded, mask = left_padded(tokenizer, TEXTS[:2])
+    with pytest.raises(ValueError, match="repetition_penalty with padded rows"):
+        fast.generate(padded, attention_mask=mask, repetition_penalty=1.3)
     with pytest.raises(ValueError, match="strictly positive"):
         fast.generate(ids, do_sample=True, temperature=0.0)
     with pytest.raises(ValueError, match="max_length"):
@@ -321,3 +325,30 @@ def test_wrapping_twice_fuses_once():
         == qkv[1].data_ptr()
         == model.model.layers[1].self_attn.q_proj.weight.data_ptr()
     )
+
+
+def test_repetition_penalty_equals_transformers():
+    """Greedy and seeded-sampled output, and the scores of both, under transformers' rule; with a
+    drafter too."""
+    model, tokenizer = model_and_tokenizer()
+    ids = torch.tensor([tokenizer.encode(TEXTS[1]) * 2])  # repeats: the penalty has work to do
+    kwargs = dict(max_new_tokens=16, repetition_penalty=1.8, return_dict_in_generate=True,
+                  output_scores=True)  # fmt: skip
+    expected = model.generate(ids, do_sample=False, **kwargs)
+    unpenalised = model.generate(ids, do_sample=False, max_new_tokens=16)
+    assert not torch.equal(expected.sequences, unpenalised)  # the penalty changes the output
+    fast = specdec.wrap(model, tokenizer)
+    for extra in ({}, {"prompt_lookup_num_tokens": 3}):
+        out = fast.generate(ids, do_sample=False, **kwargs, **extra)
+        assert torch.equal(out.sequences, expected.sequences)
+        for ours, theirs in zip(out.scores, expected.scores):
+            torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    # sampled: each step's scores are the log-probabilities of the penalised logits
+    sampled = fast.generate(ids, do_sample=True, top_k=0, **kwargs)
+    penalty = transformers.RepetitionPenaltyLogitsProcessor(1.8)
+    with torch.no_grad():
+        logits = model(sampled.sequences).logits[0]
+    for t, ours in enumerate(sampled.scores):
+        prefix = sampled.sequences[:, : ids.shape[1] + t]
+        theirs = penalty(prefix, logits[None, prefix.shape[1] - 1].clone()).log_softmax(-1)
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
