@@ -15,12 +15,14 @@ Terms:
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+import dataclasses
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from specdec.config import MAX_LOGPROBS, SamplingParams
 from specdec.llm import CHAT_TEMPLATE_ARGUMENTS, ChatOptions
+from specdec.serving.tools import calls_schema, parsed_arguments
 
 MAX_N = 128  # most choices per prompt, as OpenAI allows
 STRUCTURED_KINDS = ("choice", "regex", "json", "json_object")  # of structured_outputs
@@ -282,11 +284,36 @@ class CompletionRequest(GenerationFields):
         return max(echoed, self.prompt_logprobs)
 
 
+class FunctionDefinition(StrictModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments; None: none
+    strict: bool | None = None  # OpenAI's; the arguments always follow the schema here
+
+
+class Tool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatMessage(StrictModel):
     """One turn of a conversation; content parts other than text are refused."""
 
-    role: str  # "system", "user", "assistant", ...
+    role: str  # "system", "user", "assistant", "tool", ...
     content: str | None = None  # the text (a list of text parts is joined); None: empty
+    # an assistant's earlier calls, as a response gave them, and a tool message's answer to one
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -343,16 +370,40 @@ class ChatCompletionRequest(GenerationFields, ChatTemplateFields):
     # role (the final message's with add_generation_prompt false, else an assistant's)
     echo: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # and this many alternatives
-    tools: Any = None
-    tool_choice: Any = None
+    # OpenAI's function calling: the functions the model may call, and whether it must: "none"
+    # (it answers in text), "required" (one call or more) or {"type": "function", "function":
+    # {"name": ...}} (that one); the calls' arguments follow each function's parameters schema
+    # (guided decoding). "auto" needs a parser of the model's own tool-call syntax: refused
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None,
+        validate_default=True,  # checked when left out too: with tools it means "auto"
+    )
     # OpenAI's: {"type": "text"} (the default), {"type": "json_object"} (any JSON object), or
     # {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}
     response_format: dict[str, Any] | None = None
-    NEUTRAL = {
-        **GenerationFields.NEUTRAL,
-        "tools": (None, []),
-        "tool_choice": (None, "none"),
-    }
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, value: Any, info: ValidationInfo) -> Any:
+        names = [t.function.name for t in info.data.get("tools") or []]
+        if value in (None, "auto") and names:
+            raise ValueError(
+                'is "auto" (the default with tools), which needs a parser of the model\'s own '
+                'tool-call syntax that this server does not have: set it to "required", '
+                '"none" or {"type": "function", "function": {"name": ...}}'
+            )
+        if value not in (None, "none") and not names:
+            raise ValueError("needs tools: give the functions to call")
+        if isinstance(value, NamedToolChoice) and value.function.name not in names:
+            raise ValueError(f"names {value.function.name!r}, which is not among the tools")
+        if value not in (None, "none"):
+            given = _guides_given(info)
+            if given:
+                raise ValueError(f"give one of {given[0]} and tool_choice, not both")
+            if info.data.get("echo"):
+                raise ValueError("cannot be combined with echo: a reply of calls starts afresh")
+        return value
 
     @field_validator("response_format")
     @classmethod
@@ -366,15 +417,31 @@ class ChatCompletionRequest(GenerationFields, ChatTemplateFields):
                 raise ValueError('json_schema needs {"name": ..., "schema": {...}}')
         if kind != "text":
             given = _guides_given(info)
+            if info.data.get("tool_choice") not in (None, "none"):
+                given.append("tool_choice")
             if given:
                 raise ValueError(f"give one of {given[0]} and response_format, not both")
         return value
 
     def guide_field(self) -> str:
+        if self.calls_tools:
+            return "tools"
         kind = (self.response_format or {}).get("type", "text")
         return super().guide_field() if kind == "text" else "response_format"
 
+    def chat_options(self) -> ChatOptions:
+        options = super().chat_options()
+        tools = [t.model_dump(exclude_none=True) for t in self.tools or []]
+        return dataclasses.replace(options, tools=tools or None)
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the reply is function calls (tool_choice "required" or a named function)."""
+        return self.tool_choice not in (None, "none", "auto")
+
     def guide(self) -> dict[str, Any]:
+        if self.calls_tools:
+            return {"json_schema": calls_schema(self.tools or [], self.tool_choice)}
         kind = (self.response_format or {}).get("type", "text")
         if kind == "json_object":
             return {"json_schema": {"type": "object"}}
@@ -400,8 +467,8 @@ class ChatCompletionRequest(GenerationFields, ChatTemplateFields):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.content or ""} for m in self.messages]
+    def conversation(self) -> list[dict[str, Any]]:
+        return [template_message(m) for m in self.messages]
 
     def echoed_text(self) -> str | None:
         """The text each reply starts with under ``echo`` (vLLM's rule); None: nothing."""
@@ -419,8 +486,8 @@ class TokenizeRequest(ChatTemplateFields):
     messages: list[ChatMessage] | None = None  # ... or a conversation: exactly one of the two
     return_token_strs: bool | None = None  # also each token's string in the vocabulary
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.content or ""} for m in self.messages or []]
+    def conversation(self) -> list[dict[str, Any]]:
+        return [template_message(m) for m in self.messages or []]
 
 
 class DetokenizeRequest(StrictModel):
@@ -428,6 +495,18 @@ class DetokenizeRequest(StrictModel):
 
     model: str | None = None
     tokens: list[int]  # token ids of the vocabulary
+
+
+def template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it: text content, and an assistant's earlier calls with
+    their arguments as objects where they parse (as transformers' templates expect them)."""
+    out: dict[str, Any] = {"role": message.role, "content": message.content or ""}
+    if message.tool_calls is not None:
+        out["tool_calls"] = [parsed_arguments(call) for call in message.tool_calls]
+    for key in ("tool_call_id", "name"):
+        if getattr(message, key) is not None:
+            out[key] = getattr(message, key)
+    return out
 
 
 def _guides_given(info: ValidationInfo) -> list[str]:

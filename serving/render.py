@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from specdec.outputs import TokenLogprobs
 from specdec.serving.generation import Choice, Generation
@@ -29,10 +30,15 @@ from specdec.serving.responses import (
     ChatDelta,
     CompletionChoice,
     CompletionResponse,
+    DeltaFunctionCall,
+    DeltaToolCall,
     PromptLogprobs,
+    ToolCallsDelta,
+    ToolCallsMessage,
     new_id,
     now_s,
 )
+from specdec.serving.tools import new_call_id, tool_calls_of
 
 
 @dataclass(slots=True)
@@ -45,6 +51,7 @@ class ResponseMeta:
     created: int = field(default_factory=now_s)  # Unix time of the request
     echo: list[str] | None = None  # each choice's start: its prompt (chat: the final message)
     prompt_logprobs: bool = False  # show the prompt tokens' logprobs (vLLM's prompt_logprobs)
+    tool_choice: Any = None  # "required" or a named function: the replies are function calls
 
     def __post_init__(self) -> None:
         self.id = self.id or new_id(self.prefix)
@@ -134,17 +141,18 @@ def _echoed(choice: Choice, echo: bool) -> tuple[list[int], list[TokenLogprobs |
 
 def chat_response(generation: Generation, meta: ResponseMeta) -> ChatCompletionResponse:
     texts = generation.state.token_texts
-    choices = [
-        ChatChoice(
-            index=i,
-            message=AssistantMessage(
-                content=c.text if meta.echo is None else meta.echo[i] + c.text
-            ),
-            logprobs=None if c.logprobs is None else chat_logprobs(c.logprobs, texts),
-            finish_reason=c.finish_reason,
+    choices = []
+    for i, c in enumerate(generation.choices):
+        message: AssistantMessage | ToolCallsMessage
+        message = AssistantMessage(content=c.text if meta.echo is None else meta.echo[i] + c.text)
+        reason = c.finish_reason
+        calls = _calls(c.text, reason, meta)
+        if calls is not None:
+            message, reason = ToolCallsMessage(tool_calls=calls), _calls_reason(meta)
+        logprobs = None if c.logprobs is None else chat_logprobs(c.logprobs, texts)
+        choices.append(
+            ChatChoice(index=i, message=message, logprobs=logprobs, finish_reason=reason)
         )
-        for i, c in enumerate(generation.choices)
-    ]
     return ChatCompletionResponse(
         id=meta.id,
         created=meta.created,
@@ -163,17 +171,59 @@ async def chat_chunks(
             id=meta.id, created=meta.created, model=meta.model, choices=choices
         )
 
+    named = meta.tool_choice is not None and not isinstance(meta.tool_choice, str)
     for i in range(len(generation.choices)):
+        opening: ChatDelta | ToolCallsDelta
         opening = ChatDelta(role="assistant", content="" if meta.echo is None else meta.echo[i])
+        if named:  # the one call opens at once; its arguments arrive as text does
+            call = DeltaToolCall(
+                index=0,
+                id=new_call_id(),
+                type="function",
+                function=DeltaFunctionCall(name=meta.tool_choice.function.name, arguments=""),
+            )
+            opening = ToolCallsDelta(role="assistant", tool_calls=[call])
         yield chunk([ChatChunkChoice(index=i, delta=opening)])
     texts = generation.state.token_texts
+    held = [""] * len(generation.choices)  # "required": each reply's text, parsed at its end
     async for i, delta in generation.deltas():
         if delta.text or delta.finished or delta.logprobs:
             reason = delta.finish_reason if delta.finished else None
-            content = ChatDelta(content=delta.text)
+            content: ChatDelta | ToolCallsDelta = ChatDelta(content=delta.text)
+            if named:
+                arguments = DeltaFunctionCall(arguments=delta.text)
+                content = ToolCallsDelta(tool_calls=[DeltaToolCall(index=0, function=arguments)])
+                reason = _calls_reason(meta) if reason == "stop" else reason
+            elif meta.tool_choice is not None:
+                held[i] += delta.text
+                content = ChatDelta(content="")
+                calls = _calls(held[i], reason, meta) if delta.finished else None
+                if calls is not None:
+                    content = ToolCallsDelta(tool_calls=[_whole(k, c) for k, c in enumerate(calls)])
+                    reason = _calls_reason(meta)
+                elif delta.finished:
+                    content = ChatDelta(content=held[i])  # cut short: the text as it is
             logprobs = None if delta.logprobs is None else chat_logprobs(delta.logprobs, texts)
             yield chunk(
                 [ChatChunkChoice(index=i, delta=content, logprobs=logprobs, finish_reason=reason)]
             )
     if include_usage:
         yield chunk([]).model_copy(update={"usage": generation.usage()})
+
+
+def _calls(text: str, finish_reason: str | None, meta: ResponseMeta) -> list[Any] | None:
+    """A finished reply's function calls when the request asked for calls, else None."""
+    if meta.tool_choice is None or finish_reason != "stop":
+        return None
+    return tool_calls_of(text, meta.tool_choice)
+
+
+def _calls_reason(meta: ResponseMeta) -> str:
+    """OpenAI's finish_reason for a reply of calls: "tool_calls" where the model chose the
+    functions ("required"), "stop" where the request named it."""
+    return "tool_calls" if meta.tool_choice == "required" else "stop"
+
+
+def _whole(index: int, call: Any) -> DeltaToolCall:
+    function = DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments)
+    return DeltaToolCall(index=index, id=call.id, type="function", function=function)

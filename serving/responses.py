@@ -91,9 +91,28 @@ class AssistantMessage(BaseModel):
     content: str  # the reply
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text of the arguments
+
+
+class ToolCall(BaseModel):
+    id: str  # "call_<hex>"
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolCallsMessage(BaseModel):
+    """A reply that calls functions (``tool_choice`` "required" or a named function)."""
+
+    role: Literal["assistant"] = "assistant"
+    content: None = None
+    tool_calls: list[ToolCall]
+
+
 class ChatChoice(BaseModel):
     index: int  # position in choices
-    message: AssistantMessage  # the reply
+    message: AssistantMessage | ToolCallsMessage  # the reply
     logprobs: ChatLogprobs | None = None  # when the request set logprobs
     finish_reason: str | None  # "stop" or "length"
 
@@ -113,9 +132,26 @@ class ChatDelta(BaseModel):
     content: str | None = None  # new text
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None  # in a call's first chunk
+    arguments: str  # new text of the arguments
+
+
+class DeltaToolCall(BaseModel):
+    index: int  # which call of the reply this chunk extends
+    id: str | None = None  # in a call's first chunk
+    type: Literal["function"] | None = None  # in a call's first chunk
+    function: DeltaFunctionCall
+
+
+class ToolCallsDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    tool_calls: list[DeltaToolCall]
+
+
 class ChatChunkChoice(BaseModel):
     index: int  # which choice this chunk extends
-    delta: ChatDelta  # what is new
+    delta: ChatDelta | ToolCallsDelta  # what is new
     logprobs: ChatLogprobs | None = None  # the new tokens', when the request set logprobs
     finish_reason: str | None = None  # set in the choice's last chunk
 

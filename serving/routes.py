@@ -150,7 +150,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     echoed = body.echoed_text()
     echo = None if echoed is None else [echoed] * len(generation.choices)
     meta = ResponseMeta(
-        "chatcmpl", state.model_name, echo=echo, prompt_logprobs=show_prompt_logprobs
+        "chatcmpl",
+        state.model_name,
+        echo=echo,
+        prompt_logprobs=show_prompt_logprobs,
+        tool_choice=body.tool_choice if body.calls_tools else None,
     )
     full = partial(chat_response, generation, meta)
     chunks = partial(chat_chunks, generation, meta, body.include_usage)

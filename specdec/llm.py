@@ -40,6 +40,7 @@ class ChatOptions:
     add_generation_prompt: bool = True  # open the assistant's turn after the last message
     continue_final_message: bool = False  # or leave the final message open, to be continued
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
+    tools: list[Any] | None = None  # functions the model may call (OpenAI's format)
 
 
 class LLM:
@@ -215,6 +216,7 @@ class LLM:
             conversation,
             add_generation_prompt=options.add_generation_prompt,
             continue_final_message=options.continue_final_message,
+            tools=options.tools,
             tokenize=False,
             **kwargs,
         )

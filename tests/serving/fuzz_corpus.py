@@ -68,6 +68,8 @@ COMPLETION_FIELDS = [
     "guided_regex",
     "guided_json",
     "structured_outputs",
+    "tools",
+    "tool_choice",
     "best_of",
 ]
 # Values only some fields meet: token ids out of range, long stop lists, nested prompts.

@@ -64,7 +64,7 @@ BAD_REQUESTS = [
     (C, {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty: Input should be greater than 0", "repetition_penalty"),
     (C, {"prompt": "x", "echo": 1}, 400, "echo: Input should be a valid boolean", "echo"),
     (C, {"prompt": "x", "best_of": 2}, 400, "best_of: is not supported", "best_of"),
-    (CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools: is not supported", "tools"),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools[0].function: Field required", "tools[0].function"),
     (C, {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs: Input should be less than or equal to 20", "prompt_logprobs"),
     (C, {"prompt": "x", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs is not available when stream is true", "prompt_logprobs"),
     (CHAT, {"messages": MSG, "prompt_logprobs": 0, "stream": True}, 400, "prompt_logprobs is not available when stream is true", "prompt_logprobs"),

@@ -1,0 +1,79 @@
+"""OpenAI's function calling on guided decoding, as vLLM serves it without a model-specific
+parser: ``tool_choice`` naming a function makes the reply that function's arguments, JSON its
+``parameters`` schema accepts; ``"required"`` makes it a JSON array of one call or more,
+``[{"name": ..., "parameters": {...}}, ...]``, each call's arguments following its own
+function's schema. The reply is then handed back as ``tool_calls``, not text.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from specdec.serving.responses import FunctionCall, ToolCall
+
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}  # a function without any
+
+
+def _parameters(tool: Any) -> dict[str, Any]:
+    return tool.function.parameters or NO_PARAMETERS
+
+
+def _named(tool_choice: Any) -> str | None:
+    """The function a named tool_choice calls; None for "required"."""
+    return None if isinstance(tool_choice, str) else tool_choice.function.name
+
+
+def calls_schema(tools: list[Any], tool_choice: Any) -> dict[str, Any]:
+    """The JSON Schema the reply must follow under ``tool_choice``."""
+    name = _named(tool_choice)
+    if name is not None:
+        return next(_parameters(t) for t in tools if t.function.name == name)
+    one_call = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t.function.name}, "parameters": _parameters(t)},
+            "required": ["name", "parameters"],
+        }
+        for t in tools
+    ]
+    return {"type": "array", "items": {"anyOf": one_call}, "minItems": 1}
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def tool_calls_of(text: str, tool_choice: Any) -> list[ToolCall] | None:
+    """The calls a finished reply makes; None where it is not whole (cut by ``max_tokens``)."""
+    name = _named(tool_choice)
+    try:  # the JSON value, and none of the text after it (an end-of-sequence token's own text)
+        parsed, end = json.JSONDecoder().raw_decode(text)
+    except json.JSONDecodeError:
+        return None
+    if name is not None:
+        arguments = text[:end]
+        return [ToolCall(id=new_call_id(), function=FunctionCall(name=name, arguments=arguments))]
+    return [
+        ToolCall(
+            id=new_call_id(),
+            function=FunctionCall(
+                name=call["name"], arguments=json.dumps(call["parameters"], ensure_ascii=False)
+            ),
+        )
+        for call in parsed
+    ]
+
+
+def parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    """An earlier call from a conversation's history with its ``arguments`` as an object where
+    the JSON text parses: chat templates (transformers') read them that way."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}

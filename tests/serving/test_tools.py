@@ -1,0 +1,149 @@
+"""Function calling: tool_choice "required" or a named function makes the reply calls whose
+arguments follow the functions' schemas (guided decoding), handed back as tool_calls, whole or
+streamed; a conversation carries the calls and their answers; what cannot be served is refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdec import LLM, SamplingParams
+from specdec.llm import ChatOptions
+from specdec.serving.tools import calls_schema
+from tests.tiny import byte_tokenizer, tiny_model
+
+from .conftest import MODEL
+from .test_errors import assert_error
+
+UNIT = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"]}
+TOOLS = [
+    {"type": "function", "function": {"name": "weather", "parameters": UNIT}},
+    {"type": "function", "function": {"name": "clock", "description": "The time"}},
+]
+CHAT = [{"role": "user", "content": "Weather?"}]
+NAMED = {"type": "function", "function": {"name": "weather"}}
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    return LLM(tiny_model("llama"), tokenizer=byte_tokenizer(), num_kv_blocks=64)
+
+
+def schema_of(tool_choice):  # noqa: ANN001, ANN201
+    from specdec.serving.protocol import ChatCompletionRequest
+
+    body = ChatCompletionRequest(messages=CHAT, tools=TOOLS, tool_choice=tool_choice)
+    return calls_schema(body.tools or [], body.tool_choice)
+
+
+def test_a_named_function_is_called_with_arguments_its_schema_accepts(served, offline):
+    params = SamplingParams(temperature=0, max_tokens=40, json_schema=UNIT)
+    expected = offline.chat(CHAT, params)[0]
+    assert expected.finish_reason == "stop" and json.loads(expected.text.rstrip("#"))
+    body = {"messages": CHAT, "tools": TOOLS, "tool_choice": NAMED, "max_tokens": 40,
+            "temperature": 0}  # fmt: skip
+    reply = served.client().chat.completions.create(model=MODEL, **body)
+    message = reply.choices[0].message
+    assert message.content is None and reply.choices[0].finish_reason == "stop"
+    (call,) = message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    arguments = expected.text.rstrip("#")  # "#": an EOS id of the tiny tokenizer
+    assert call.function.name == "weather" and call.function.arguments == arguments
+    events = served.client().chat.completions.create(model=MODEL, stream=True, **body)
+    deltas = [c.choices[0].delta for c in events if c.choices]
+    assert deltas[0].tool_calls[0].function.name == "weather" and deltas[0].tool_calls[0].id
+    streamed = "".join(d.tool_calls[0].function.arguments for d in deltas if d.tool_calls)
+    assert streamed == expected.text  # streamed as generated: the EOS's own text too
+
+
+def test_required_calls_are_an_array_of_calls_parsed_into_tool_calls(served, offline):
+    params = SamplingParams(temperature=0, max_tokens=200, json_schema=schema_of("required"))
+    expected = offline.chat(CHAT, params)[0]
+    assert expected.finish_reason == "stop", expected.text
+    calls = json.loads(expected.text.rstrip("#"))
+    body = {"messages": CHAT, "tools": TOOLS, "tool_choice": "required", "max_tokens": 200,
+            "temperature": 0}  # fmt: skip
+    reply = served.client().chat.completions.create(model=MODEL, **body)
+    assert reply.choices[0].finish_reason == "tool_calls"
+    got = reply.choices[0].message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in got] == [
+        (c["name"], c["parameters"]) for c in calls
+    ]
+    events = list(served.client().chat.completions.create(model=MODEL, stream=True, **body))
+    streamed = [t for c in events if c.choices and c.choices[0].delta.tool_calls
+                for t in c.choices[0].delta.tool_calls]  # fmt: skip
+    assert [(t.index, t.function.name, t.function.arguments) for t in streamed] == [
+        (k, c.function.name, c.function.arguments) for k, c in enumerate(got)
+    ]
+    assert [c.choices[0].finish_reason for c in events if c.choices][-1] == "tool_calls"
+
+
+def test_a_reply_cut_short_stays_text(served):
+    body = {"messages": CHAT, "tools": TOOLS, "tool_choice": "required", "max_tokens": 3}
+    reply = served.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert reply["finish_reason"] == "length" and reply["message"]["content"].startswith("[")
+
+
+def test_a_conversation_carries_calls_and_their_answers(served):
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "weather", "arguments": '{"unit": "c"}'}}  # fmt: skip
+    messages = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]  # fmt: skip
+    body = {"messages": messages, "tools": TOOLS, "tool_choice": "none", "max_tokens": 4}
+    reply = served.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 200 and reply.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_tools_and_calls_reach_the_chat_template(offline):
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = (
+        "{{ tools | tojson }}|{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}"
+        "{% for c in m.get('tool_calls') or [] %}{{ c.function.arguments.unit }}{% endfor %}"
+        "{% endfor %}"
+    )
+    llm = LLM(tiny_model("llama"), tokenizer=tokenizer, num_kv_blocks=16)
+    from specdec.serving.protocol import ChatCompletionRequest
+
+    call = {
+        "id": "1",
+        "type": "function",
+        "function": {"name": "weather", "arguments": '{"unit": "f"}'},
+    }
+    body = ChatCompletionRequest(
+        messages=[*CHAT, {"role": "assistant", "tool_calls": [call]}], tools=TOOLS,
+        tool_choice="none", add_generation_prompt=False, continue_final_message=False,
+    )  # fmt: skip
+    text = llm.render_chat(body.conversation(), body.chat_options())
+    assert text.startswith('[{"type": "function", "function": {"name": "weather"')
+    assert text.endswith("|user:Weather?assistant:f")  # the arguments as an object
+    assert llm.render_chat(CHAT, ChatOptions(add_generation_prompt=False)).startswith("null|")
+
+
+C = "/v1/chat/completions"
+
+
+@pytest.mark.parametrize(
+    "extra, fragment, param",
+    [
+        ({"tools": TOOLS}, 'tool_choice: is "auto" (the default with tools)', "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "auto"}, "needs a parser of the model's own", "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice: needs tools", "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "names 'nope', which is not among the tools", "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"},
+         "give one of guided_regex and tool_choice", "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "required", "echo": True},
+         "cannot be combined with echo", "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": NAMED, "response_format": {"type": "json_object"}},
+         "give one of tool_choice and response_format", "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"minimum": 1}}}],
+          "tool_choice": "required"}, "json_schema keyword 'minimum' is not supported", "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}], "tool_choice": "none"},
+         "String should match pattern", "tools[0].function.name"),
+        ({"tools": [{"type": "code_interpreter"}], "tool_choice": "none"}, "Input should be 'function'", "tools[0].type"),
+    ],
+)  # fmt: skip
+def test_tool_requests_that_cannot_be_served_are_refused(served, extra, fragment, param):
+    response = served.post(C, json={"messages": CHAT, "max_tokens": 2} | extra)
+    assert_error(response, 400, fragment, param)
