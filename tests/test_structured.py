@@ -55,6 +55,8 @@ def test_the_dfa_matches_what_python_matches_in_full(pattern):
         (r"[ab", "missing \\]"),
         (r"a^b", "only at the ends"),
         (r"\xZZ", "bad \\\\x escape"),
+        ("(" * 101 + "a" + ")" * 101, "groups nest more than 100 deep"),
+        ("(((a{100}){100}){100})", "more than 100000 automaton states"),
     ],
 )
 def test_unsupported_patterns_are_refused_by_what_they_use(pattern, message):
@@ -62,10 +64,13 @@ def test_unsupported_patterns_are_refused_by_what_they_use(pattern, message):
         compile_regex(pattern)
 
 
-def test_a_pattern_with_too_many_states_is_refused(monkeypatch):
+def test_a_pattern_with_too_many_states_or_too_slow_to_compile_is_refused(monkeypatch):
     monkeypatch.setattr(regex_module, "MAX_STATES", 64)
     with pytest.raises(ValueError, match="needs more than 64 states"):
         compile_regex("(a|b)*a(a|b){8}")  # 2**9 states: the classic subset-construction blow-up
+    monkeypatch.setattr(regex_module, "MAX_SECONDS", 0.0)
+    with pytest.raises(ValueError, match="takes over 0 s to compile"):
+        compile_regex("[a-z]+")
 
 
 PERSON = {
@@ -117,6 +122,13 @@ def test_free_form_json_nests_as_deep_as_the_bound():
     assert not dfa.fullmatch("[1]")  # an object at the top
 
 
+def _nested(depth: int) -> dict:
+    schema: dict = {}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
 @pytest.mark.parametrize(
     "schema, message",
     [
@@ -128,6 +140,7 @@ def test_free_form_json_nests_as_deep_as_the_bound():
         ({"properties": {"a": {}}, "required": ["b"]}, "requires 'b', not in properties"),
         ({"type": "string", "format": "email"}, "format 'email' is not supported"),
         ("{not json", "not valid JSON"),
+        (_nested(70), "nests more than 64 deep"),
         (False, "accepts nothing"),
     ],
 )  # fmt: skip

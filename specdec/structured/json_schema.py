@@ -38,6 +38,7 @@ FORMATS = {
 FORMATS["date-time"] = FORMATS["date"] + "T" + FORMATS["time"]
 FREE_DEPTH = 2  # nesting of free-form objects and arrays
 MAX_REF_DEPTH = 3
+MAX_NESTING = 64  # schemas within schemas
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment",
                "additionalProperties", "$defs", "definitions"}  # fmt: skip
 KEYWORDS = ANNOTATIONS | {"type", "properties", "required", "items", "minItems", "maxItems",
@@ -92,11 +93,21 @@ def _literal(value: Any) -> str:
 
 class _Builder:
     def __init__(self, root: dict[str, Any] | bool):
+        self.depth = 0  # schemas within schemas, now
         self.defs: dict[str, Any] = {}
         if isinstance(root, dict):
             self.defs = {**root.get("definitions", {}), **root.get("$defs", {})}
 
     def value(self, schema: dict[str, Any] | bool, refs: int) -> str:
+        self.depth += 1
+        try:
+            if self.depth > MAX_NESTING:
+                raise ValueError(f"json_schema nests more than {MAX_NESTING} deep")
+            return self._value(schema, refs)
+        finally:
+            self.depth -= 1
+
+    def _value(self, schema: dict[str, Any] | bool, refs: int) -> str:
         if schema is True or schema == {}:
             return free_json_regex()
         if schema is False:

@@ -20,13 +20,17 @@ would exceed :data:`MAX_STATES`.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
 MAX_CODEPOINT = 0x10FFFF
 MAX_STATES = 10_000  # DFA states before a pattern is refused (about 3 s of compiling)
+MAX_NFA_STATES = 100_000  # NFA states (repetitions expand: (a{100}){100} has 10,000)
+MAX_SECONDS = 10.0  # compile time before a pattern is refused
 MAX_REPEAT = 1_000  # the largest {n,m} bound
+MAX_NESTING = 100  # groups within groups
 DEAD = 0  # the DFA state no match can leave
 
 Ranges = list[tuple[int, int]]  # sorted, disjoint, inclusive code point ranges
@@ -69,7 +73,7 @@ class _Parser:
     """A recursive-descent parser of the supported subset (see the module docstring)."""
 
     def __init__(self, pattern: str):
-        self.p, self.i = pattern, 0
+        self.p, self.i, self.depth = pattern, 0, 0
 
     def error(self, what: str) -> ValueError:
         return ValueError(f"regex {shown(self.p)}: {what} at position {self.i}")
@@ -143,7 +147,11 @@ class _Parser:
                 self.i += 2
             elif self.peek() == "?":
                 raise self.error("lookarounds, flags and named groups are not supported")
+            self.depth += 1
+            if self.depth > MAX_NESTING:
+                raise self.error(f"groups nest more than {MAX_NESTING} deep")
             node = self.alternation()
+            self.depth -= 1
             if self.peek() != ")":
                 raise self.error("missing )")
             self.i += 1
@@ -257,6 +265,11 @@ class _NFA:
     edges: list[list[tuple[int, int]]]  # state -> (256-bit byte mask, successor)
 
     def state(self) -> int:
+        if len(self.eps) >= MAX_NFA_STATES:
+            raise ValueError(
+                f"regex needs more than {MAX_NFA_STATES} automaton states (repetitions of "
+                f"repetitions?)"
+            )
         self.eps.append([])
         self.edges.append([])
         return len(self.eps) - 1
@@ -338,6 +351,7 @@ def check_regex(pattern: str) -> None:
 
 def compile_regex(pattern: str) -> DFA:
     """``pattern`` as a :class:`DFA` over UTF-8 bytes (ValueError where it is unsupported)."""
+    deadline = time.monotonic() + MAX_SECONDS
     nfa = _NFA([], [])
     start = nfa.state()
     final = _build(nfa, _Parser(pattern).parse(), start)
@@ -358,6 +372,8 @@ def compile_regex(pattern: str) -> DFA:
     rows.append(np.zeros(256, np.int32))
     while todo:
         current = todo.pop()
+        if time.monotonic() > deadline:
+            raise ValueError(f"regex {shown(pattern)} takes over {MAX_SECONDS:.0f} s to compile")
         edges = [e for s in current for e in nfa.edges[s]]
         if not edges:
             continue
