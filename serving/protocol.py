@@ -90,6 +90,10 @@ class GenerationFields(StrictModel):
     guided_regex: str | None = None
     guided_json: Any = None  # a JSON Schema: an object, or its text
     structured_outputs: dict[str, Any] | None = None
+    # OpenAI's (chat; vLLM's completions too): {"type": "text"} (the default), {"type":
+    # "json_object"} (any JSON object), or {"type": "json_schema", "json_schema": {"name": ...,
+    # "schema": {...}}}
+    response_format: dict[str, Any] | None = None
     guided_grammar: Any = None
     use_beam_search: Any = None  # vLLM's; beam search runs offline only (LLM.beam_search)
 
@@ -171,9 +175,29 @@ class GenerationFields(StrictModel):
             raise ValueError(f"is not supported by this server; leave it unset or {neutral[-1]!r}")
         return value
 
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, value: dict[str, Any] | None, info: ValidationInfo) -> Any:
+        kind = (value or {}).get("type", "text")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise ValueError(f"type must be text, json_object or json_schema, got {kind!r}")
+        if kind == "json_schema":
+            spec = value.get("json_schema") if value else None
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise ValueError('json_schema needs {"name": ..., "schema": {...}}')
+        given = _guides_given(info)
+        if kind != "text" and given:
+            raise ValueError(f"give one of {given[0]} and response_format, not both")
+        return value
+
     def guide(self) -> dict[str, Any]:
         """The guide as SamplingParams takes it: ``{"choice" | "regex" | "json_schema": ...}``
         or nothing, from whichever field gave it (validated: one at most)."""
+        kind = (self.response_format or {}).get("type", "text")
+        if kind == "json_object":
+            return {"json_schema": {"type": "object"}}
+        if kind == "json_schema":
+            return {"json_schema": (self.response_format or {})["json_schema"].get("schema", {})}
         structured = {k: v for k, v in (self.structured_outputs or {}).items() if v is not None}
         for field, kind, key in (
             ("guided_choice", "choice", "choice"),
@@ -194,6 +218,8 @@ class GenerationFields(StrictModel):
         return self.guide_field() if name in ("choice", "regex", "json_schema") else name
 
     def guide_field(self) -> str:
+        if (self.response_format or {}).get("type", "text") != "text":
+            return "response_format"
         given = [n for n in self.GUIDED if getattr(self, n) is not None]
         return given[0] if given else "structured_outputs"
 
@@ -379,9 +405,6 @@ class ChatCompletionRequest(GenerationFields, ChatTemplateFields):
         None,
         validate_default=True,  # checked when left out too: with tools it means "auto"
     )
-    # OpenAI's: {"type": "text"} (the default), {"type": "json_object"} (any JSON object), or
-    # {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}
-    response_format: dict[str, Any] | None = None
 
     @field_validator("tool_choice")
     @classmethod
@@ -405,29 +428,8 @@ class ChatCompletionRequest(GenerationFields, ChatTemplateFields):
                 raise ValueError("cannot be combined with echo: a reply of calls starts afresh")
         return value
 
-    @field_validator("response_format")
-    @classmethod
-    def _response_format(cls, value: dict[str, Any] | None, info: ValidationInfo) -> Any:
-        kind = (value or {}).get("type", "text")
-        if kind not in ("text", "json_object", "json_schema"):
-            raise ValueError(f"type must be text, json_object or json_schema, got {kind!r}")
-        if kind == "json_schema":
-            spec = value.get("json_schema") if value else None
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-                raise ValueError('json_schema needs {"name": ..., "schema": {...}}')
-        if kind != "text":
-            given = _guides_given(info)
-            if info.data.get("tool_choice") not in (None, "none"):
-                given.append("tool_choice")
-            if given:
-                raise ValueError(f"give one of {given[0]} and response_format, not both")
-        return value
-
     def guide_field(self) -> str:
-        if self.calls_tools:
-            return "tools"
-        kind = (self.response_format or {}).get("type", "text")
-        return super().guide_field() if kind == "text" else "response_format"
+        return "tools" if self.calls_tools else super().guide_field()
 
     def chat_options(self) -> ChatOptions:
         options = super().chat_options()
@@ -442,11 +444,6 @@ class ChatCompletionRequest(GenerationFields, ChatTemplateFields):
     def guide(self) -> dict[str, Any]:
         if self.calls_tools:
             return {"json_schema": calls_schema(self.tools or [], self.tool_choice)}
-        kind = (self.response_format or {}).get("type", "text")
-        if kind == "json_object":
-            return {"json_schema": {"type": "object"}}
-        if kind == "json_schema":
-            return {"json_schema": (self.response_format or {})["json_schema"].get("schema", {})}
         return super().guide()
 
     @field_validator("messages")
@@ -515,6 +512,8 @@ def _guides_given(info: ValidationInfo) -> list[str]:
     structured = info.data.get("structured_outputs")
     if structured and any(v is not None and v is not False for v in structured.values()):
         names.append("structured_outputs")
+    if (info.data.get("response_format") or {}).get("type", "text") != "text":
+        names.append("response_format")
     return names
 
 

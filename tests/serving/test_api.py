@@ -361,6 +361,13 @@ def test_guided_regex_and_json_as_vllm_and_openai_take_them(served, offline):
             body = {"messages": CHAT, "max_tokens": 24, "temperature": 0} | extra
             reply = served.post("/v1/chat/completions", json=body).json()
             assert reply["choices"][0]["message"]["content"] == expected.text, extra
+    expected = offline.generate("Pick:", SamplingParams(temperature=0, max_tokens=24,
+                                                        json_schema=schema))[0]  # fmt: skip
+    for extra in ({"guided_json": schema}, {"response_format": {  # vLLM's completions take both
+            "type": "json_schema", "json_schema": {"name": "n", "schema": schema}}}):  # fmt: skip
+        body = {"prompt": "Pick:", "max_tokens": 24, "temperature": 0} | extra
+        reply = served.post("/v1/completions", json=body).json()
+        assert reply["choices"][0]["text"] == expected.text, extra
     sampled = served.client().completions.create(
         model=MODEL, prompt="Pick:", max_tokens=40, n=4, seed=3,
         extra_body={"guided_json": schema},

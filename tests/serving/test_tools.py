@@ -136,7 +136,7 @@ C = "/v1/chat/completions"
         ({"tools": TOOLS, "tool_choice": "required", "echo": True},
          "cannot be combined with echo", "tool_choice"),
         ({"tools": TOOLS, "tool_choice": NAMED, "response_format": {"type": "json_object"}},
-         "give one of tool_choice and response_format", "response_format"),
+         "give one of response_format and tool_choice", "tool_choice"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"minimum": 1}}}],
           "tool_choice": "required"}, "json_schema keyword 'minimum' is not supported", "tools"),
         ({"tools": [{"type": "function", "function": {"name": "a b"}}], "tool_choice": "none"},
