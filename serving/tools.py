@@ -9,11 +9,35 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import Field
 
 from specdec.serving.responses import FunctionCall, ToolCall
+from specdec.serving.strict import StrictModel
 
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}  # a function without any
+
+
+class FunctionDefinition(StrictModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments; None: none
+    strict: bool | None = None  # OpenAI's; the arguments always follow the schema here
+
+
+class Tool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: FunctionName
 
 
 def _parameters(tool: Any) -> dict[str, Any]:

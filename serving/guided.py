@@ -1,0 +1,141 @@
+"""The request fields that give a guided request its guide (vLLM's ``guided_*`` and
+``structured_outputs``, OpenAI's ``response_format``), checked one per request and turned into
+the ``choice``, ``regex`` or ``json_schema`` of :class:`~specdec.config.SamplingParams`."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from pydantic import ValidationInfo, field_validator
+
+from specdec.serving.strict import StrictModel
+
+STRUCTURED_KINDS = ("choice", "regex", "json", "json_object")  # of structured_outputs
+
+
+class GuidedFields(StrictModel):
+    """The guide fields of completions and chat completions (at most one given)."""
+
+    # extra (vLLM's): the output is one of these strings (guided_choice), matches a regular
+    # expression (guided_regex) or is JSON a schema accepts (guided_json); or vLLM's newer
+    # structured_outputs: {"choice": [...]}, {"regex": ...}, {"json": ...}, {"json_object": true}
+    guided_choice: list[str] | None = None
+    guided_regex: str | None = None
+    guided_json: Any = None  # a JSON Schema: an object, or its text
+    structured_outputs: dict[str, Any] | None = None
+    # OpenAI's (chat; vLLM's completions too): {"type": "text"} (the default), {"type":
+    # "json_object"} (any JSON object), or {"type": "json_schema", "json_schema": {"name": ...,
+    # "schema": {...}}}
+    response_format: dict[str, Any] | None = None
+
+    GUIDED: ClassVar[tuple[str, ...]] = ("guided_choice", "guided_regex", "guided_json")
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _known_kinds(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        kinds = {k: v for k, v in (value or {}).items() if v is not None and v is not False}
+        for key in kinds:
+            if key not in STRUCTURED_KINDS:
+                raise ValueError(
+                    f"{key} is not supported by this server; use one of "
+                    f"{', '.join(STRUCTURED_KINDS)}"
+                )
+        if len(kinds) > 1:
+            raise ValueError(f"give one kind, not {', '.join(kinds)}")
+        _check_choice(kinds.get("choice"), "choice ")
+        if "regex" in kinds and not isinstance(kinds["regex"], str):
+            raise ValueError("regex must be a string")
+        if "json" in kinds and not isinstance(kinds["json"], (dict, str)):
+            raise ValueError("json must be a JSON Schema (an object, or its text)")
+        if "json_object" in kinds and kinds["json_object"] is not True:
+            raise ValueError("json_object must be true or false")
+        return value
+
+    @field_validator("guided_json")
+    @classmethod
+    def _schema(cls, value: Any) -> Any:
+        if value is not None and not isinstance(value, (dict, str)):
+            raise ValueError("must be a JSON Schema (an object, or its text)")
+        return value
+
+    @field_validator("guided_choice")
+    @classmethod
+    def _choice_strings(cls, value: list[str] | None) -> list[str] | None:
+        _check_choice(value, "")
+        return value
+
+    @field_validator("guided_regex", "guided_json", "structured_outputs")
+    @classmethod
+    def _one_guide(cls, value: Any, info: ValidationInfo) -> Any:
+        given = guides_given(info)  # the fields before this one
+        if given and value is not None and (info.field_name != "structured_outputs" or any(
+            v is not None and v is not False for v in value.values()
+        )):  # fmt: skip
+            raise ValueError(f"give one of {given[0]} and {info.field_name}, not both")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, value: dict[str, Any] | None, info: ValidationInfo) -> Any:
+        kind = (value or {}).get("type", "text")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise ValueError(f"type must be text, json_object or json_schema, got {kind!r}")
+        if kind == "json_schema":
+            spec = value.get("json_schema") if value else None
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise ValueError('json_schema needs {"name": ..., "schema": {...}}')
+        given = guides_given(info)
+        if kind != "text" and given:
+            raise ValueError(f"give one of {given[0]} and response_format, not both")
+        return value
+
+    def guide(self) -> dict[str, Any]:
+        """The guide as SamplingParams takes it: ``{"choice" | "regex" | "json_schema": ...}``
+        or nothing, from whichever field gave it (validated: one at most)."""
+        kind = (self.response_format or {}).get("type", "text")
+        if kind == "json_object":
+            return {"json_schema": {"type": "object"}}
+        if kind == "json_schema":
+            return {"json_schema": (self.response_format or {})["json_schema"].get("schema", {})}
+        structured = {k: v for k, v in (self.structured_outputs or {}).items() if v is not None}
+        for field, kind, key in (
+            ("guided_choice", "choice", "choice"),
+            ("guided_regex", "regex", "regex"),
+            ("guided_json", "json", "json_schema"),
+        ):
+            if getattr(self, field) is not None:
+                return {key: getattr(self, field)}
+            if kind in structured:
+                return {key: structured[kind]}
+        if structured.get("json_object"):
+            return {"json_schema": {"type": "object"}}
+        return {}
+
+    def param_of(self, name: str) -> str:
+        """The request field to name in an error about SamplingParams' field ``name``: the
+        field that gave the guide for ``choice``, ``regex`` and ``json_schema``."""
+        return self.guide_field() if name in ("choice", "regex", "json_schema") else name
+
+    def guide_field(self) -> str:
+        if (self.response_format or {}).get("type", "text") != "text":
+            return "response_format"
+        given = [n for n in self.GUIDED if getattr(self, n) is not None]
+        return given[0] if given else "structured_outputs"
+
+
+def guides_given(info: ValidationInfo) -> list[str]:
+    """The fields of a request validated so far that give a guide."""
+    names = [n for n in GuidedFields.GUIDED if info.data.get(n) is not None]
+    structured = info.data.get("structured_outputs")
+    if structured and any(v is not None and v is not False for v in structured.values()):
+        names.append("structured_outputs")
+    if (info.data.get("response_format") or {}).get("type", "text") != "text":
+        names.append("response_format")
+    return names
+
+
+def _check_choice(choice: Any, name: str) -> None:
+    if choice is not None and not (
+        isinstance(choice, list) and choice and all(isinstance(c, str) and c for c in choice)
+    ):
+        raise ValueError(f"{name}must be a non-empty list of non-empty strings")
