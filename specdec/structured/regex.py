@@ -1,21 +1,17 @@
 """Regular expressions compiled to a DFA over UTF-8 bytes, for guided decoding.
 
-A guided request's output must match a pattern in full, and the model emits tokens, each a few
-bytes that may split a character. So the pattern becomes an automaton over bytes: parse it
-(:class:`_Parser`, a subset of Python's ``re`` syntax), build a Thompson NFA whose character sets
-are spelled as UTF-8 byte ranges (:func:`utf8_ranges`, after Russ Cox's RE2 and the
-``utf8-ranges`` construction), then a dense DFA by subset construction (:func:`compile_regex`).
-Outlines (Willard and Louf 2023, "Efficient Guided Generation for Large Language Models") and
-vLLM's guided decoding index a tokenizer's vocabulary against such an automaton; we do the same
-in :mod:`specdec.structured.guide`.
+The model emits tokens, each a few bytes that may split a character, so a pattern becomes an
+automaton over bytes: parsed (:class:`_Parser`, Python's ``re`` syntax in part), a Thompson NFA
+whose character sets are spelled as UTF-8 byte ranges (:func:`utf8_ranges`, after RE2's
+construction), then a dense DFA by subset construction (:func:`compile_regex`). Outlines (Willard
+and Louf 2023) and vLLM index a vocabulary against such an automaton, as
+:mod:`specdec.structured.guide` does.
 
-Supported: literals, ``.``, classes ``[a-z]`` and ``[^...]``, the escapes ``\\d \\w \\s \\D \\W
-\\S \\n \\t \\r \\f \\v \\xhh \\uhhhh`` and escaped metacharacters, groups ``(...)`` and
-``(?:...)``, alternation, and the quantifiers ``* + ? {n} {n,} {n,m}`` (lazy forms match the same
-strings). The classes ``\\d \\w \\s`` are ASCII, as with ``re.ASCII`` and in JSON Schema's
-ECMA-262 patterns; ``.`` is any character but a newline. ``^`` and ``$`` are accepted at the ends
-only (the match is always whole). Backreferences, lookarounds and flags are refused with a ValueError, as are patterns whose DFA
-would exceed :data:`MAX_STATES`.
+Supported: literals, ``.`` (not a newline), ``[a-z]``, ``[^...]``, the escapes ``\\d \\w \\s
+\\D \\W \\S`` (ASCII, as under ``re.ASCII`` and in JSON Schema), ``\\n \\t \\r \\f \\v \\xhh \\uhhhh``
+and escaped metacharacters, ``(...)``, ``(?:...)``, ``|``, and ``* + ? {n} {n,} {,m} {n,m}``
+(lazy forms too); ``^`` and ``$`` at the ends only (a match is always whole). Backreferences,
+lookarounds, flags and patterns past the limits below are refused with a ValueError.
 """
 
 from __future__ import annotations
@@ -107,20 +103,19 @@ class _Parser:
         return ("cat", items)
 
     def quantified(self, node: tuple) -> tuple:
-        while True:
-            c = self.peek()
-            if c in ("*", "+", "?"):
-                self.i += 1
-                low, high = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
-            elif c == "{" and self._is_bound():
-                low, high = self.bound()
-            else:
-                return node
-            if self.peek() == "?":  # lazy: the same strings match
-                self.i += 1
-            if self.peek() in ("*", "+", "?") or (self.peek() == "{" and self._is_bound()):
-                raise self.error("possessive or repeated quantifiers are not supported")
-            node = ("rep", node, low, high)
+        c = self.peek()
+        if c in ("*", "+", "?"):
+            self.i += 1
+            low, high = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
+        elif c == "{" and self._is_bound():
+            low, high = self.bound()
+        else:
+            return node
+        if self.peek() == "?":  # lazy: the same strings match
+            self.i += 1
+        if self.peek() in ("*", "+", "?") or (self.peek() == "{" and self._is_bound()):
+            raise self.error("possessive or repeated quantifiers are not supported")
+        return ("rep", node, low, high)
 
     def _is_bound(self) -> bool:
         end = self.p.find("}", self.i)
@@ -131,9 +126,9 @@ class _Parser:
         end = self.p.index("}", self.i)
         body, self.i = self.p[self.i + 1 : end], end + 1
         parts = body.split(",")
-        if len(parts) > 2 or not parts[0]:
+        if len(parts) > 2:
             raise self.error(f"bad repetition {{{body}}}")
-        low = int(parts[0])
+        low = int(parts[0] or 0)  # {,n}: from none
         high = low if len(parts) == 1 else (int(parts[1]) if parts[1] else None)
         if high is not None and (high < low or high > MAX_REPEAT) or low > MAX_REPEAT:
             raise self.error(f"repetition {{{body}}} out of range (at most {MAX_REPEAT})")
@@ -266,10 +261,7 @@ class _NFA:
 
     def state(self) -> int:
         if len(self.eps) >= MAX_NFA_STATES:
-            raise ValueError(
-                f"regex needs more than {MAX_NFA_STATES} automaton states (repetitions of "
-                f"repetitions?)"
-            )
+            raise ValueError(f"regex needs more than {MAX_NFA_STATES} automaton states")
         self.eps.append([])
         self.edges.append([])
         return len(self.eps) - 1
@@ -344,8 +336,7 @@ class DFA:
 
 
 def check_regex(pattern: str) -> None:
-    """Raise the ValueError :func:`compile_regex` would for ``pattern``'s syntax (cheap: it
-    parses, builds nothing)."""
+    """Raise :func:`compile_regex`'s ValueError for ``pattern``'s syntax (parsing only)."""
     _Parser(pattern).parse()
 
 
