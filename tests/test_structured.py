@@ -295,3 +295,23 @@ def test_drafts_follow_the_guide_as_the_target_will(make_llm):
     outside = torch.full((1, vocab), float("-inf"))
     outside[0, z] = 0.0
     assert len(draft_tokens(outside, [seq])) == 1
+
+
+@pytest.mark.parametrize("guided", [{"regex": r"[a-z ]{20,40}\."}, GUIDED[1]])
+def test_guided_output_holds_under_preemption_chunking_and_prefix_cache_hits(make_llm, guided):
+    """Guides keep their states along the output, so a sequence preempted and recomputed, a
+    prompt prefilled in chunks, or one served from the prefix cache, continues the same."""
+    prompts = [list(range(10, 60)) + [i] for i in range(6)]
+    params = [SamplingParams(temperature=t, seed=i, max_tokens=30, **guided)
+              for i, t in enumerate([0.0, 1.0] * 3)]  # fmt: skip
+    reference = outputs(make_llm(), prompts, params)
+    tight = make_llm(block_size=4, num_kv_blocks=34, max_num_batched_tokens=24,
+                     speculative=SpecConfig("prompt_lookup", 3))  # fmt: skip
+    got = tight.generate(prompts, params)
+    assert [o.token_ids for o in got] == reference
+    assert sum(o.metrics.num_preemptions for o in got) > 0
+    cached = make_llm(block_size=4)
+    cached.generate(prompts[:1], params[:1])
+    again = cached.generate(prompts, params)
+    assert [o.token_ids for o in again] == reference
+    assert all(o.metrics.num_cached_tokens >= 48 for o in again)
