@@ -148,12 +148,16 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate a reply for each conversation, through the tokenizer's chat template (see
-        :meth:`render_chat` for the options)."""
+        :meth:`render_chat` for the options; ``tools``: function definitions for templates that
+        render them, as vLLM's ``LLM.chat`` takes them)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item, arg-type]
-        options = ChatOptions(add_generation_prompt, continue_final_message, chat_template_kwargs)
+        options = ChatOptions(
+            add_generation_prompt, continue_final_message, chat_template_kwargs, tools
+        )
         prompts = [self.apply_chat_template(c, options) for c in conversations]  # type: ignore[arg-type]
         return self.generate(prompts, params)
 

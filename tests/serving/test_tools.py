@@ -118,6 +118,8 @@ def test_tools_and_calls_reach_the_chat_template(offline):
     assert text.startswith('[{"type": "function", "function": {"name": "weather"')
     assert text.endswith("|user:Weather?assistant:f")  # the arguments as an object
     assert llm.render_chat(CHAT, ChatOptions(add_generation_prompt=False)).startswith("null|")
+    out = llm.chat(CHAT, SamplingParams(max_tokens=1), add_generation_prompt=False, tools=TOOLS)
+    assert llm.decode(out[0].prompt_token_ids).startswith('[{"type": "function"')
 
 
 C = "/v1/chat/completions"
