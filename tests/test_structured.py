@@ -12,6 +12,7 @@ from scipy.stats import chisquare
 
 from specdec import SamplingParams, SpecConfig
 from specdec.sequence import Sequence
+from specdec.structured import guide as guide_module
 from specdec.structured import regex as regex_module
 from specdec.structured.guide import token_bytes
 from specdec.structured.json_schema import free_json_regex, schema_regex
@@ -315,3 +316,13 @@ def test_guided_output_holds_under_preemption_chunking_and_prefix_cache_hits(mak
     again = cached.generate(prompts, params)
     assert [o.token_ids for o in again] == reference
     assert all(o.metrics.num_cached_tokens >= 48 for o in again)
+
+
+def test_a_guide_keeps_a_bounded_number_of_masks_and_the_same_output(make_llm, monkeypatch):
+    params = SamplingParams(temperature=0, max_tokens=30, json_schema=GUIDED[1]["json_schema"])
+    reference = outputs(make_llm(), PROMPTS, params)
+    monkeypatch.setattr(guide_module, "MASKS_KEPT", 2)
+    llm = make_llm()
+    assert outputs(llm, PROMPTS, params) == reference
+    (guide,) = llm.engine.guides._cache.values()
+    assert len(guide.masks) == 2

@@ -9,7 +9,8 @@ the one plain decoding under the same constraint gives, whatever the drafter.
 
 :class:`RegexGuide` indexes the vocabulary against a byte DFA (:mod:`specdec.structured.regex`):
 each token's bytes (:func:`token_bytes`) are walked from a state, all tokens at once with numpy,
-once per state reached, and the resulting mask is kept (Outlines' index, built lazily).
+once per state reached, and the resulting mask is kept, a bit per token (Outlines' index,
+built lazily and bounded).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from specdec.structured.regex import DEAD, DFA, compile_regex
 
 END = -1  # a choice trie's key for "a whole choice ends here"
 GUIDE_CACHE = 32  # compiled patterns an engine keeps
+MASKS_KEPT = 4096  # token masks a pattern keeps (25 MB at SmolLM2's vocabulary)
 
 
 class Guide(Protocol):
@@ -122,7 +124,9 @@ class RegexGuide:
 
     def __init__(self, dfa: DFA, vocabulary: Vocabulary):
         self.dfa, self.vocabulary = dfa, vocabulary
-        self.masks: dict[int, torch.Tensor] = {}
+        # state -> its mask, one bit per token (6 KB for SmolLM2's vocabulary, not 48), the
+        # least recently used dropped past MASKS_KEPT: memory stays bounded whatever the load
+        self.masks: OrderedDict[int, np.ndarray] = OrderedDict()
 
     def start(self) -> int:
         return self.dfa.start
@@ -135,12 +139,15 @@ class RegexGuide:
         return None if state == DEAD else state
 
     def allowed(self, state: int) -> torch.Tensor:
-        mask = self.masks.get(state)
-        if mask is None:
-            mask = self.masks[state] = self._mask(state)
-        return mask
+        packed = self.masks.get(state)
+        if packed is None:
+            packed = self.masks[state] = np.packbits(self._mask(state))
+            if len(self.masks) > MASKS_KEPT:
+                self.masks.popitem(last=False)
+        self.masks.move_to_end(state)
+        return torch.from_numpy(np.unpackbits(packed, count=self.vocabulary.size).view(bool))
 
-    def _mask(self, state: int) -> torch.Tensor:
+    def _mask(self, state: int) -> np.ndarray:
         v, table = self.vocabulary, self.dfa.table
         at = np.full(len(v.ids), state, np.int32)
         for k, count in enumerate(v.longer):  # the tokens longer than k bytes read byte k
@@ -150,7 +157,7 @@ class RegexGuide:
         accepting = bool(self.dfa.accepting[state])
         if accepting or not mask.any():  # a whole match may end; a dead end ends, not stalls
             mask[v.eos_token_ids] = True
-        return torch.from_numpy(mask)
+        return mask
 
 
 class GuideFactory:
