@@ -1,7 +1,7 @@
 """specdec: exact speculative decoding on a paged-KV, continuously batched runtime."""
 
 from specdec.beam_search import BeamSearchOutput, BeamSearchParams
-from specdec.config import EngineConfig, SamplingParams
+from specdec.config import EngineConfig, SamplingParams, StructuredOutputsParams
 from specdec.drafters.registry import SpecConfig
 from specdec.llm import LLM, ChatOptions
 from specdec.outputs import RequestOutput, TokenLogprobs
@@ -16,6 +16,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SpecConfig",
+    "StructuredOutputsParams",
     "TokenLogprobs",
     "WrappedModel",
     "wrap",

@@ -22,6 +22,39 @@ MAX_LOGPROBS = 20  # most alternatives per token that logprobs returns (OpenAI's
 
 
 @dataclass(slots=True)
+class StructuredOutputsParams:
+    """vLLM's ``StructuredOutputsParams``, for code written against it: one of ``json`` (a JSON
+    Schema), ``regex``, ``choice`` or ``json_object=True`` (any JSON object), which
+    ``SamplingParams(structured_outputs=...)`` takes as its ``json_schema``, ``regex`` or
+    ``choice``. ``grammar`` is refused."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    json_object: bool | None = None
+    grammar: str | None = None
+
+    def guide(self) -> dict[str, Any]:
+        """The SamplingParams fields this sets (ValueError unless exactly one kind is given)."""
+        _check(self.grammar is None, "structured_outputs.grammar is not supported: give json, "
+               "regex, choice or json_object")  # fmt: skip
+        given = {
+            key: value
+            for key, value in (
+                ("json_schema", self.json),
+                ("regex", self.regex),
+                ("choice", self.choice),
+                ("json_schema", {"type": "object"} if self.json_object else None),
+            )
+            if value is not None
+        }
+        kinds = [k for k in ("json", "regex", "choice") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        _check(len(kinds) == 1, f"structured_outputs needs exactly one kind, got {kinds or 'none'}")
+        return given
+
+
+@dataclass(slots=True)
 class SamplingParams:
     """How one request is decoded (the fields and defaults of vLLM's ``SamplingParams``)."""
 
@@ -64,10 +97,17 @@ class SamplingParams:
     # the output must be a JSON document this JSON Schema accepts (a dict or its JSON text),
     # then end (vLLM's guided json; the keywords: specdec/structured/json_schema.py)
     json_schema: dict[str, Any] | str | None = None
+    # vLLM's form of the three above (see StructuredOutputsParams)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.structured_outputs is not None:
+            flat = [n for n in ("choice", "regex", "json_schema") if getattr(self, n) is not None]
+            _check(not flat, f"give structured_outputs or {flat[0] if flat else ''}, not both")
+            for name, value in self.structured_outputs.guide().items():
+                setattr(self, name, value)
         _check(
             isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool),
             f"max_tokens must be an integer, got {self.max_tokens!r}",

@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdec import SamplingParams, SpecConfig
+from specdec import SamplingParams, SpecConfig, StructuredOutputsParams
 from specdec.sequence import Sequence
 from specdec.structured import guide as guide_module
 from specdec.structured import regex as regex_module
@@ -326,3 +326,28 @@ def test_a_guide_keeps_a_bounded_number_of_masks_and_the_same_output(make_llm, m
     assert outputs(llm, PROMPTS, params) == reference
     (guide,) = llm.engine.guides._cache.values()
     assert len(guide.masks) == 2
+
+
+def test_vllms_structured_outputs_params_set_the_same_guides(make_llm):
+    llm = make_llm()
+    schema = GUIDED[1]["json_schema"]
+    for ours, theirs in (
+        ({"json_schema": schema}, StructuredOutputsParams(json=schema)),
+        ({"regex": "[ab]+c"}, StructuredOutputsParams(regex="[ab]+c")),
+        ({"choice": ["yes", "no"]}, StructuredOutputsParams(choice=["yes", "no"])),
+        ({"json_schema": {"type": "object"}}, StructuredOutputsParams(json_object=True)),
+    ):
+        expected = outputs(llm, PROMPTS, SamplingParams(temperature=0, max_tokens=20, **ours))
+        params = SamplingParams(temperature=0, max_tokens=20, structured_outputs=theirs)
+        assert outputs(llm, PROMPTS, params) == expected
+    for options, message in (
+        ({"structured_outputs": StructuredOutputsParams()}, "exactly one kind, got none"),
+        ({"structured_outputs": StructuredOutputsParams(regex="a", choice=["a"])},
+         "exactly one kind, got \\['regex', 'choice'\\]"),
+        ({"structured_outputs": StructuredOutputsParams(grammar="root ::= x")},
+         "grammar is not supported"),
+        ({"structured_outputs": StructuredOutputsParams(regex="a"), "regex": "b"},
+         "give structured_outputs or regex, not both"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            SamplingParams(**options)
