@@ -163,6 +163,9 @@ class Engine:
         start = time.perf_counter()
         drafter.propose(running, ks, step)
         policy.observe_drafting(ks, time.perf_counter() - start)
+        for seq in running:  # drafts a guide forbids (prompt lookup's) are not worth verifying
+            if seq.guide is not None and seq.spec_token_ids:
+                del seq.spec_token_ids[seq.guided_drafts() :]
 
     def _delta(
         self,

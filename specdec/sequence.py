@@ -136,6 +136,18 @@ class Sequence:
             state = self.guide.advance(state, token)
         return None if state is None else self.guide.allowed(state)
 
+    def guided_drafts(self) -> int:
+        """How many leading drafts the guide allows (every draft, without a guide): a draft it
+        forbids would be rejected, and so would every draft after it."""
+        for j, token in enumerate(self.spec_token_ids):
+            allowed = self.allowed_tokens(j)
+            if allowed is None:
+                return len(self.spec_token_ids) if self.guide is None else j
+            ok = bool(allowed[token]) if isinstance(allowed, torch.Tensor) else token in allowed
+            if not ok:
+                return j
+        return len(self.spec_token_ids)
+
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED

@@ -351,3 +351,30 @@ def test_vllms_structured_outputs_params_set_the_same_guides(make_llm):
     ):  # fmt: skip
         with pytest.raises(ValueError, match=message):
             SamplingParams(**options)
+
+
+def test_drafts_the_guide_forbids_are_not_verified(make_llm, monkeypatch):
+    """Prompt lookup copies "cab..." after the output's "ab" from a prompt of letters, which a
+    guide of digits forbids: without the engine's cut those drafts are verified (and rejected);
+    with it none is, and either way the output is plain decoding's."""
+    plain = make_llm()
+    prompt = plain.tokenizer.encode("abc" * 8, add_special_tokens=False)
+    params = SamplingParams(temperature=0, max_tokens=12, regex="ab[0-9]{3}")
+    expected = outputs(plain, [prompt], params)
+    allowed_drafts = Sequence.guided_drafts  # the guide's verdict, whatever the engine does
+
+    def run() -> list[tuple[int, int]]:
+        lookup = make_llm(speculative=SpecConfig("prompt_lookup", 4, adaptive=False))
+        verify, verified = lookup.engine.verifier.verify, []
+
+        def checked(out, res):  # noqa: ANN001, ANN202
+            verified.extend((len(s.spec_token_ids), allowed_drafts(s)) for s in out.seqs)
+            return verify(out, res)
+
+        lookup.engine.verifier.verify = checked
+        assert outputs(lookup, [prompt], params) == expected
+        return verified
+
+    assert all(n == allowed for n, allowed in run())
+    monkeypatch.setattr(Sequence, "guided_drafts", lambda self: len(self.spec_token_ids))
+    assert any(n > allowed for n, allowed in run())  # uncut, forbidden drafts get verified
