@@ -21,8 +21,9 @@ Drafts are chosen by :func:`specdec.verifier.draft_tokens`, the target's own rul
 logits processed as the target's are (bias, penalties, a guided request's allowed tokens):
 greedy requests take the draft's argmax; sampled requests take the winner of the exponential race
 over the draft distribution ``q`` (processed exactly like the target's ``p``) with the noise of
-the position drafted, the very noise the target's race at that position uses. This *Gumbel-max coupling* (Daliri, Musco and Suresh 2024, "Coupling without Communication and
-Drafter-Invariant Speculative Decoding") makes the draft equal the target's token whenever the
+the position drafted, the very noise the target's race at that position uses. This *Gumbel-max
+coupling* (Daliri, Musco and Suresh 2024, "Coupling without Communication and Drafter-Invariant
+Speculative Decoding") makes the draft equal the target's token whenever the
 two races have the same winner, and the verifier accepts a draft exactly then
 (specdec/verifier.py), so nothing about ``q`` needs to be kept. A draft is accepted with
 probability ``P(race winner of q == race winner of p)``, which lies between

@@ -119,17 +119,10 @@ class Sequence:
     def allowed_tokens(self, drafts: int) -> list[int] | torch.Tensor | None:
         """With a guide: the tokens that may follow the output and the first ``drafts`` drafts
         (ids, or a [V] bool mask; end-of-sequence ids where the output is whole); None where any
-        may, or where the drafts already left the guide's language (a row that is never used).
-        The states along the output are kept, so each step walks only what is new."""
+        may, or where the drafts already left the guide's language (a row that is never used)."""
         if self.guide is None:
             return None
-        states = self.guide_states or [self.guide.start()]
-        self.guide_states = states
-        while len(states) <= self.num_output_tokens:
-            state = states[-1]
-            token = self.token_ids[self.num_prompt_tokens + len(states) - 1]
-            states.append(None if state is None else self.guide.advance(state, token))
-        state = states[self.num_output_tokens]
+        state = self._output_state()
         for token in self.spec_token_ids[:drafts]:
             if state is None:
                 break
@@ -137,16 +130,30 @@ class Sequence:
         return None if state is None else self.guide.allowed(state)
 
     def guided_drafts(self) -> int:
-        """How many leading drafts the guide allows (every draft, without a guide): a draft it
-        forbids would be rejected, and so would every draft after it."""
+        """How many leading drafts the guide allows (one walk along them): a draft it forbids
+        would be rejected, and so would every draft after it."""
+        assert self.guide is not None
+        state = self._output_state()
         for j, token in enumerate(self.spec_token_ids):
-            allowed = self.allowed_tokens(j)
-            if allowed is None:
-                return len(self.spec_token_ids) if self.guide is None else j
-            ok = bool(allowed[token]) if isinstance(allowed, torch.Tensor) else token in allowed
-            if not ok:
+            allowed = None if state is None else self.guide.allowed(state)
+            if allowed is None or not (
+                bool(allowed[token]) if isinstance(allowed, torch.Tensor) else token in allowed
+            ):
                 return j
+            state = self.guide.advance(state, token)
         return len(self.spec_token_ids)
+
+    def _output_state(self) -> Any:
+        """The guide's state after the output (None: it left the guide's language), the
+        states along the output kept, so that each step walks only what is new."""
+        assert self.guide is not None
+        states = self.guide_states or [self.guide.start()]
+        self.guide_states = states
+        while len(states) <= self.num_output_tokens:
+            state = states[-1]
+            token = self.token_ids[self.num_prompt_tokens + len(states) - 1]
+            states.append(None if state is None else self.guide.advance(state, token))
+        return states[self.num_output_tokens]
 
     @property
     def is_finished(self) -> bool:

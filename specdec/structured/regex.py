@@ -8,8 +8,8 @@ and Louf 2023) and vLLM index a vocabulary against such an automaton, as
 :mod:`specdec.structured.guide` does.
 
 Supported: literals, ``.`` (not a newline), ``[a-z]``, ``[^...]``, the escapes ``\\d \\w \\s
-\\D \\W \\S`` (ASCII, as under ``re.ASCII`` and in JSON Schema), ``\\n \\t \\r \\f \\v \\xhh \\uhhhh``
-and escaped metacharacters, ``(...)``, ``(?:...)``, ``|``, and ``* + ? {n} {n,} {,m} {n,m}``
+\\D \\W \\S`` (ASCII, as under ``re.ASCII`` and in JSON Schema), ``\\n \\t \\r \\f \\v``,
+``\\xhh``, ``\\uhhhh`` and escaped metacharacters, ``(...)``, ``(?:...)``, ``|``, and ``* + ? {n} {n,} {,m} {n,m}``
 (lazy forms too); ``^`` and ``$`` at the ends only (a match is always whole). Backreferences,
 lookarounds, flags and patterns past the limits below are refused with a ValueError.
 """
