@@ -6,6 +6,7 @@ process, on the default model, greedy, prompt processing included:
 * single-stream decode: the engine without speculation, with prompt lookup, and transformers
   ``generate`` on the same GPU and prompts (two questions per category of the shipped set);
 * 32 concurrent requests: the engine's throughput against one stream's;
+* float32 exactness: greedy output with prompt lookup against plain decoding, in one batch;
 * the verification kernel (row-token mode, as the engine calls it, and the ratio-test mode) for
   B = 64 sequences of k = 8 drafts over V = 49,152 tokens: its time against the bytes it must
   read, as a share of the device's copy bandwidth measured on the spot.
@@ -29,6 +30,7 @@ from specdec.kernels.rejection import rejection_sample_triton, verify_row_tokens
 from specdec.loader import default_model_dir
 
 LOOKUP = SpecConfig("prompt_lookup", num_speculative_tokens=8, adaptive=False)
+KV_BLOCKS = 4096  # per engine: 32 requests of the longest prompt and 128 new tokens fit
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -42,42 +44,88 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit("gpu-check needs a CUDA GPU and a CUDA build of torch")
     questions = [q for qs in by_category(read_questions(), args.per_category).values() for q in qs]
     chats = [q.conversation() for q in questions]
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     summary: dict[str, Any] = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "dtype": args.dtype,
         "prompts": len(chats),
     }
-    plain = LLM(dtype=args.dtype, device="cuda")
-    lookup = LLM(dtype=args.dtype, device="cuda", speculative=LOOKUP)
+    # Each engine gets a pool of its own size: sized from free memory, the first would leave the
+    # second nothing.
+    plain = LLM(dtype=args.dtype, device="cuda", num_kv_blocks=KV_BLOCKS)
+    lookup = LLM(dtype=args.dtype, device="cuda", num_kv_blocks=KV_BLOCKS, speculative=LOOKUP)
     prompts = [plain.apply_chat_template(c) for c in chats]
-    single: dict[str, float] = {}
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    sections: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+        ("single_stream", lambda: _single_stream(plain, lookup, prompts, params, args)),
+        ("concurrent_32", lambda: _concurrent(plain, prompts, params, summary)),
+        ("float32_exactness", lambda: _float32_exactness(prompts[:4])),
+        ("verification_kernel", _kernel_figures),
+    ]
+    failed = False
+    for name, section in sections:  # a failing section is reported, and the others still run
+        start = time.perf_counter()
+        try:
+            summary[name] = section()
+        except Exception as error:  # noqa: BLE001 - the summary names it; the exit status too
+            failed = True
+            summary[name] = {"error": f"{type(error).__name__}: {error}"}
+        summary[name]["seconds"] = round(time.perf_counter() - start, 1)
+        print(name, json.dumps(summary[name]), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(summary, f, indent=2)
+    print(json.dumps(summary, indent=2))
+    if failed:
+        raise SystemExit("gpu-check: a section failed (see its error above)")
+    return summary
+
+
+def _single_stream(
+    plain: LLM, lookup: LLM, prompts: list[list[int]], params: SamplingParams, args: Any
+) -> dict[str, Any]:
+    """One request at a time: the engine, the engine with prompt lookup, transformers."""
+    rates: dict[str, float] = {}
     outputs: dict[str, list[list[int]]] = {}
     for name, llm in (("specdec", plain), ("specdec + prompt lookup", lookup)):
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8))  # warm up
         seconds, outputs[name] = _one_at_a_time(llm, prompts, params)
-        single[name] = sum(map(len, outputs[name])) / seconds
-    single["transformers generate"] = _transformers_rate(prompts, args)
-    base = single["specdec"]
-    summary["single_stream_tok_s"] = single
-    summary["single_stream_vs_specdec"] = {k: v / base for k, v in single.items()}
-    summary["prompt_lookup_equals_plain"] = outputs["specdec"] == outputs["specdec + prompt lookup"]
-    summary["prompt_lookup_acceptance"] = lookup.engine.verifier.stats.acceptance_rate
+        rates[name] = sum(map(len, outputs[name])) / seconds
+    rates["transformers generate"] = _transformers_rate(prompts, args)
+    same = sum(a == b for a, b in zip(outputs["specdec"], outputs["specdec + prompt lookup"]))
+    return {
+        "tok_s": rates,
+        "vs_specdec": {k: v / rates["specdec"] for k, v in rates.items()},
+        # bfloat16 on CUDA is not bit-exact under speculation (see the README)
+        "prompt_lookup_outputs_equal_plain": f"{same}/{len(prompts)}",
+        "prompt_lookup_acceptance": lookup.engine.verifier.stats.acceptance_rate,
+    }
+
+
+def _concurrent(
+    plain: LLM, prompts: list[list[int]], params: SamplingParams, summary: dict[str, Any]
+) -> dict[str, Any]:
+    """32 requests at once, against the single stream's rate."""
     batch = (prompts * 32)[:32]
     torch.cuda.synchronize()
     start = time.perf_counter()
     done = plain.generate(batch, params)
     torch.cuda.synchronize()
     rate = sum(len(o.token_ids) for o in done) / (time.perf_counter() - start)
-    summary["concurrent_32_tok_s"] = rate
-    summary["concurrent_32_vs_single_stream"] = rate / base
-    summary["verification_kernel"] = _kernel_figures()
-    print(json.dumps(summary, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=2)
-    return summary
+    single = summary.get("single_stream", {}).get("tok_s", {}).get("specdec")
+    return {"tok_s": rate, "vs_single_stream": rate / single if single else None}
+
+
+def _float32_exactness(prompts: list[list[int]]) -> dict[str, Any]:
+    """In float32, greedy output with prompt lookup must be plain decoding's, token for token."""
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    runs = []
+    for spec in (None, LOOKUP):
+        llm = LLM(dtype="float32", device="cuda", num_kv_blocks=KV_BLOCKS, speculative=spec)
+        runs.append([o.token_ids for o in llm.generate(prompts, params)])
+        del llm
+    same = sum(a == b for a, b in zip(*runs))
+    return {"batched_lookup_equals_plain": f"{same}/{len(prompts)}"}
 
 
 def _one_at_a_time(
