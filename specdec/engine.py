@@ -7,6 +7,7 @@ memory is the runner's; the block ids are the scheduler's block manager's.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
@@ -201,7 +202,13 @@ class Engine:
 def cuda_kv_blocks(device: torch.device, config: EngineConfig, block_bytes: int) -> int:
     """KV blocks that fit on ``device`` once the weights are there: the engine may hold
     ``gpu_memory_utilization`` of the device's memory (vLLM's rule), less what is already in use
-    and :data:`ACTIVATION_RESERVE_BYTES` for activations. The choice is logged."""
+    and :data:`ACTIVATION_RESERVE_BYTES` for activations. The choice is logged.
+
+    Engines that were dropped are collected first, and torch's cache of freed blocks handed
+    back, as vLLM does before it measures: else the memory a dead engine's pool held would
+    count as in use, and a second engine in one process would find no room."""
+    gc.collect()
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     budget = int(total * config.gpu_memory_utilization) - (total - free) - ACTIVATION_RESERVE_BYTES
     num_blocks = budget // block_bytes

@@ -27,6 +27,8 @@ def make_llm() -> Iterator[Callable[..., LLM]]:
         arch: str = "llama", seed: int = 0, model_overrides: dict | None = None, **options
     ) -> LLM:
         model = tiny_model(arch, seed, **(model_overrides or {}))
+        if torch.cuda.is_available():  # a pool sized from free memory would leave the next none
+            options.setdefault("num_kv_blocks", 4096)
         llm = LLM(model, tokenizer=byte_tokenizer(), **options)
         llm.hf_model = model  # type: ignore[attr-defined]
         built.append(llm)

@@ -120,6 +120,8 @@ def test_the_engine_runs_on_cuda() -> None:
     transformers' greedy, and a seeded request gives the same tokens with speculation."""
     model = tiny_model("llama", 0)
     plain = LLM(model, tokenizer=byte_tokenizer(), device="cuda", block_size=4)
+    del plain  # the pool took 90% of the device; dropped, the next engine gets its memory
+    plain = LLM(model, tokenizer=byte_tokenizer(), device="cuda", block_size=4, num_kv_blocks=512)
     spec = LLM(model, tokenizer=byte_tokenizer(), device="cuda", block_size=4, speculative=FIXED_K)
     assert spec.engine.runner.k_caches[0].is_cuda and spec.engine.verifier.backend == "triton"
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -138,3 +140,26 @@ def test_cuda_refuses_cpu_only_modes() -> None:
         LLM(model, tokenizer=byte_tokenizer(), device="cuda", batch_invariant=True)
     with pytest.raises(ValueError, match="runs on the CPU kernels only"):
         LLM(model, tokenizer=byte_tokenizer(), device="cuda", quantization="int8")
+
+
+def test_kv_pool_counts_memory_torch_only_caches(monkeypatch) -> None:
+    """Memory a dropped engine's pool left in torch's cache is free for the next engine: the
+    pool is sized after that cache is handed back (seen on an H200: without it, the second
+    engine of a process found no room). Simulated, so it runs without a GPU."""
+    from specdec import engine as engine_module
+
+    gib, cached = 2**30, {"bytes": 120 * 2**30}  # a dead engine's pool, still in torch's cache
+    monkeypatch.setattr(
+        torch.cuda, "empty_cache", lambda: cached.update(bytes=0)
+    )  # hands the cache back to the driver
+    monkeypatch.setattr(
+        torch.cuda, "mem_get_info", lambda device=None: (140 * gib - cached["bytes"], 140 * gib)
+    )
+    config = EngineConfig(device="cpu", gpu_memory_utilization=0.9)
+    blocks = engine_module.cuda_kv_blocks(torch.device("cuda"), config, block_bytes=gib)
+    assert blocks == int(140 * 0.9) - 1  # 90% of the device, less the activations' 1 GiB
+    config = EngineConfig(device="cpu", gpu_memory_utilization=0.1)
+    cached["bytes"] = 0
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * gib, 140 * gib))
+    with pytest.raises(ValueError, match="no room for a KV cache on cuda: 100.0 of 140.0 GiB"):
+        engine_module.cuda_kv_blocks(torch.device("cuda"), config, block_bytes=gib)

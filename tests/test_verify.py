@@ -201,7 +201,10 @@ def greedy_batch(batch: int, max_k: int, vocab: int, seed: int = 0) -> Batch:
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_greedy_rows_emit_the_argmax_chain(backend: str) -> None:
     drafts, cu, _, target, greedy = greedy_batch(9, 5, 37)
-    out = rejection_sample(drafts, cu, None, target, greedy, backend=backend)
+    # the compiled kernel takes CUDA tensors; without CUDA it runs interpreted on these
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    on = [t.to(device) for t in (drafts, cu, target, greedy)]
+    out = rejection_sample(on[0], on[1], None, on[2], on[3], backend=backend)
     start = 0
     for i, end in enumerate(cu.tolist()):
         chain = []  # the argmax chain up to and including the first mismatch (or the bonus)
@@ -227,6 +230,8 @@ def random_batch(batch: int, k: int, vocab: int, seed: int) -> Batch:
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_seeded_rows_do_not_depend_on_the_batch(backend: str) -> None:
+    if backend == "triton" and torch.cuda.is_available():
+        pytest.skip("compiled, the kernel needs CUDA tensors, not CPU generators' draws there")
     alone = random_batch(1, 3, 29, seed=5)
     others = random_batch(4, 3, 29, seed=6)
     alone_probs, other_probs = alone[2], others[2]
@@ -263,7 +268,8 @@ def test_draws_only_what_each_row_needs() -> None:
 
 
 def test_backends_agree_and_can_be_forced(monkeypatch: pytest.MonkeyPatch) -> None:
-    batch = random_batch(6, 4, 50, seed=0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel by default on CUDA
+    batch = tuple(None if t is None else t.to(device) for t in random_batch(6, 4, 50, seed=0))
     uniforms = draw_uniforms(batch[1], batch[4], 50)
     kernel_calls = []
     kernel = verify.rejection_sample_triton
@@ -274,7 +280,7 @@ def test_backends_agree_and_can_be_forced(monkeypatch: pytest.MonkeyPatch) -> No
 
     monkeypatch.setattr(verify, "rejection_sample_triton", counted_kernel)
     monkeypatch.delenv(verify.BACKEND_ENV, raising=False)
-    by_device = rejection_sample(*batch, uniforms=uniforms)  # CPU: the torch reference
+    by_device = rejection_sample(*batch, uniforms=uniforms)  # the torch reference on the CPU
     assert len(kernel_calls) == int(torch.cuda.is_available())
     monkeypatch.setenv(verify.BACKEND_ENV, "triton")
     forced = rejection_sample(*batch, uniforms=uniforms)
