@@ -27,6 +27,7 @@ from specdec.serving.limits import (
 )
 from specdec.serving.logprobs import TokenTexts
 from specdec.serving.metrics import RequestCountMiddleware, ServerMetrics
+from specdec.serving.responses_api import router as responses_router
 from specdec.serving.routes import router
 
 
@@ -111,6 +112,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     )
     app.state.server = state
     app.include_router(router)
+    app.include_router(responses_router)
     install_error_handlers(app)
     # The last added is the outermost: count everything, answer unexpected errors, then check
     # the key, then the size.
@@ -124,6 +126,6 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
             is_protected=lambda path: path.startswith("/v1/") or path in protected,
         )
     app.add_middleware(UnexpectedErrors)
-    routes = frozenset(getattr(r, "path", "") for r in router.routes)
+    routes = frozenset(getattr(r, "path", "") for r in (*router.routes, *responses_router.routes))
     app.add_middleware(RequestCountMiddleware, metrics=metrics, routes=routes)
     return app

@@ -104,6 +104,11 @@ class GenerationFields(GuidedFields):
         return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
 
     @property
+    def max_tokens_param(self) -> str:
+        """The field that set the reply's length, to name in an error."""
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 

@@ -201,14 +201,18 @@ def check_stops(state: ServerState, body: GenerationFields) -> None:
 
 
 async def render_chat(
-    state: ServerState, conversation: list[dict[str, str]], options: ChatOptions
+    state: ServerState,
+    conversation: list[dict[str, str]],
+    options: ChatOptions,
+    param: str = "messages",
 ) -> str:
-    """The conversation through the chat template, in a worker thread; 400 if it refuses."""
+    """The conversation through the chat template, in a worker thread; 400 (naming ``param``)
+    if it refuses."""
     try:
         return await asyncio.to_thread(state.llm.render_chat, conversation, options)
     except (ValueError, jinja2.TemplateError) as e:
-        message = f"The chat template refused the messages: {e}"
-        raise APIError(400, message, param="messages") from e
+        message = f"The chat template refused the {param}: {e}"
+        raise APIError(400, message, param=param) from e
 
 
 async def tokenize(state: ServerState, prompt: str | list[int], param: str) -> list[int]:
@@ -256,7 +260,7 @@ def fit_max_tokens(body: GenerationFields, num_prompt_tokens: int, max_model_len
     if requested is None:
         return room
     if requested > room:
-        param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        param = body.max_tokens_param
         raise APIError(
             400,
             f"{param} is too large: the context holds {max_model_len} tokens and the prompt "

@@ -13,8 +13,10 @@ import json
 from dataclasses import dataclass
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+RESPONSES = "/v1/responses"
 BASE = {"prompt": "fuzz", "max_tokens": 2}  # every case starts from this (or its chat twin)
 CHAT_BASE = {"messages": [{"role": "user", "content": "fuzz"}], "max_tokens": 2}
+RESPONSES_BASE = {"input": "fuzz", "max_output_tokens": 2}
 
 # JSON texts of hostile values, tried in every field.
 VALUES = [
@@ -103,6 +105,21 @@ CHAT_VALUES = [
 ] + [
     ("messages", v) for v in VALUES
 ]  # fmt: skip
+RESPONSES_VALUES = [
+    (f, v)
+    for f in (
+        "input", "instructions", "max_output_tokens", "text", "store", "metadata",
+        "previous_response_id", "background", "tools", "tool_choice", "reasoning", "truncation",
+        "parallel_tool_calls", "temperature",
+    )
+    for v in VALUES
+] + [
+    ("input", '[{"role": "user", "content": [{"type": "input_text", "text": ' + v + "}]}]")
+    for v in VALUES
+] + [
+    ("text", '{"format": {"type": "json_schema", "name": "x", "schema": ' + v + "}}")
+    for v in VALUES
+]  # fmt: skip
 # Whole bodies, and the status each must get (the field is None: no single field is at fault).
 BODIES: list[tuple[str, bytes, int]] = [
     ("invalid UTF-8", b'{"prompt": "\xff\xfe", "max_tokens": 2}', 400),
@@ -142,6 +159,10 @@ def corpus() -> list[Case]:
         body = json.dumps({k: v for k, v in CHAT_BASE.items() if k != field})[:-1]
         body += f', "{field}": {value}}}'
         cases.append(Case(f"chat {field} = {value[:40]}", CHAT, body.encode(), field))
+    for field, value in RESPONSES_VALUES:
+        body = json.dumps({k: v for k, v in RESPONSES_BASE.items() if k != field})[:-1]
+        body += f', "{field}": {value}}}'
+        cases.append(Case(f"responses {field} = {value[:40]}", RESPONSES, body.encode(), field))
     for name, raw, status in BODIES:
         cases.append(Case(name, COMPLETIONS, raw, None, status))
     return cases

@@ -1,0 +1,170 @@
+"""OpenAI's Responses API (``POST /v1/responses``) through the real `openai` client: the reply
+is the chat template's greedy reply offline, streams concatenate to it, formats guide it, and
+what needs stored responses or tools is refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdec import LLM, SamplingParams
+from tests.tiny import byte_tokenizer, tiny_model
+
+from .conftest import MODEL
+
+INSTRUCTIONS = "Answer briefly."
+QUESTION = "Name a prime."
+OBJECT_K = {"type": "object", "properties": {"k": {"type": "integer"}}}
+CHAT = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": QUESTION}]
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    """The served model (same weights), run offline as the reference."""
+    return LLM(tiny_model("llama"), tokenizer=byte_tokenizer(), num_kv_blocks=64)
+
+
+def test_reply_is_the_chat_templates_reply(served, offline):
+    out = served.client().responses.create(
+        model=MODEL, instructions=INSTRUCTIONS, input=QUESTION, max_output_tokens=10,
+        temperature=0,
+    )  # fmt: skip
+    expected = offline.chat(CHAT, SamplingParams(max_tokens=10, temperature=0))[0]
+    assert out.output_text == expected.text and out.id.startswith("resp")
+    assert out.object == "response" and out.model == MODEL and out.store is False
+    message = out.output[0]
+    assert message.type == "message" and message.role == "assistant"
+    assert out.usage is not None
+    assert out.usage.input_tokens == len(offline.apply_chat_template(CHAT))
+    assert out.usage.output_tokens == len(expected.token_ids) == 10
+    assert out.usage.total_tokens == out.usage.input_tokens + out.usage.output_tokens
+    assert out.status == "incomplete" and message.status == "incomplete"  # cut at 10 tokens
+    assert out.incomplete_details is not None
+    assert out.incomplete_details.reason == "max_output_tokens"
+    assert out.instructions == INSTRUCTIONS and out.max_output_tokens == 10
+
+
+def test_message_items_and_text_parts(served, offline):
+    """A conversation as input items (content as text or as input_text/output_text parts)."""
+    conversation = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Bye"}]},
+    ]
+    out = served.client().responses.create(
+        model=MODEL,
+        input=conversation,  # type: ignore[arg-type]
+        max_output_tokens=8,
+        temperature=0,
+    )
+    chat = [{"role": m["role"], "content": "Hello." if m["role"] == "assistant" else m["content"]}
+            for m in conversation]  # fmt: skip
+    chat[2]["content"] = "Bye"
+    expected = offline.chat(chat, SamplingParams(max_tokens=8, temperature=0))[0]
+    assert out.output_text == expected.text
+
+
+def test_stream_events_concatenate_to_the_reply(served):
+    client = served.client()
+    body = {"model": MODEL, "input": QUESTION, "max_output_tokens": 12, "temperature": 0}
+    full = client.responses.create(**body)  # type: ignore[call-overload]
+    events = list(client.responses.create(**body, stream=True))  # type: ignore[call-overload]
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",  # cut at max_output_tokens
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == events[-4].text == full.output_text
+    last = events[-1].response
+    assert last.output_text == full.output_text and last.usage.output_tokens == 12
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+
+
+def test_a_reply_that_ends_is_completed(served):
+    out = served.post(
+        "/v1/responses",
+        json={"input": QUESTION, "temperature": 0, "text": {"format": {"type": "json_schema",
+              "name": "n", "schema": {"type": "object", "properties": {"n": {"enum": [1, 2]}},
+                                      "required": ["n"], "additionalProperties": False}}}},
+    ).json()  # fmt: skip
+    assert out["status"] == "completed" and out["incomplete_details"] is None
+    text = out["output"][0]["content"][0]["text"]
+    assert json.loads(text.rstrip("#"))["n"] in (1, 2)  # "#": an EOS id of the tiny tokenizer
+    assert out["text"]["format"]["type"] == "json_schema"
+
+
+@pytest.mark.parametrize(
+    "guide",
+    [
+        ({"json_schema": {"type": "object"}}, {"text": {"format": {"type": "json_object"}}}),
+        (
+            {"json_schema": OBJECT_K},
+            {"text": {"format": {"type": "json_schema", "name": "k", "schema": OBJECT_K}}},
+        ),
+        ({"regex": "[ab]{3}"}, {"guided_regex": "[ab]{3}"}),  # vLLM's extras are taken too
+    ],
+)
+def test_formats_guide_the_reply(served, offline, guide):
+    params, extra = guide
+    expected = offline.chat(CHAT[1:], SamplingParams(temperature=0, max_tokens=20, **params))
+    body = {"input": QUESTION, "temperature": 0, "max_output_tokens": 20} | extra
+    out = served.post("/v1/responses", json=body).json()
+    assert out["output"][0]["content"][0]["text"] == expected[0].text
+
+
+def test_seeded_sampling_is_reproducible(served):
+    client = served.client()
+    body = {"model": MODEL, "input": QUESTION, "max_output_tokens": 16, "temperature": 1.0}
+    seeded = [
+        client.responses.create(**body, extra_body={"seed": 5}).output_text  # type: ignore[call-overload]
+        for _ in range(2)
+    ]
+    assert seeded[0] == seeded[1]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id", "not supported"),
+        ({"background": True}, "background", "not supported"),
+        ({"tools": [{"type": "function", "name": "f"}]}, "tools", "not supported"),
+        ({"truncation": "auto"}, "truncation", "not supported"),
+        ({"reasoning": {"effort": "low"}}, "reasoning", "not supported"),
+        ({"n": 2}, "n", "not supported"),
+        ({"input": []}, "input", "a text or a non-empty list of messages"),
+        ({"input": [{"type": "function_call_output"}]}, "input", "only message items"),
+        ({"input": [{"role": "tool", "content": "x"}]}, "input", "role must be one of"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+            "input",
+            "only text content parts",
+        ),
+        ({"max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
+        ({"max_output_tokens": 10**6}, "max_output_tokens", "is too large"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text", "needs"),
+        ({"text": {"format": {"type": "xml"}}}, "text.format.type", "json_schema"),
+        (
+            {"text": {"format": {"type": "json_object"}}, "guided_regex": "a"},
+            "text",
+            "give one of guided_regex and text.format",
+        ),
+        ({"model": "other"}, "model", "does not exist"),
+    ],
+)
+def test_bad_requests_are_refused_by_name(served, body, param, message):
+    reply = served.post("/v1/responses", json={"input": QUESTION, "max_output_tokens": 4} | body)
+    assert reply.status_code in (400, 404), reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and message in error["message"], error
+    served.wait_until_idle()
