@@ -1,32 +1,36 @@
 """OpenAI's Responses API, ``POST /v1/responses``, on the chat completions' machinery.
 
-A request's ``instructions`` (a system message) and ``input`` (a text, or a list of messages)
-go through the chat template; ``max_output_tokens``, ``temperature``, ``top_p`` and
-``text.format`` (plain text, any JSON object, or a JSON Schema: guided decoding) shape the
-reply, and the sampling extras of chat completions (``seed``, ``top_k``, ...) are taken too, as
-vLLM's server takes them. The reply is one ``message`` output item holding one ``output_text``
-part, complete or, when it reached ``max_output_tokens`` or the context, ``incomplete``.
+A request's ``instructions`` (a system message) and ``input`` (a text, or a list of items:
+messages, earlier ``function_call`` items and their ``function_call_output``) go through the
+chat template; ``max_output_tokens``, ``temperature``, ``top_p`` and ``text.format`` (plain
+text, any JSON object, or a JSON Schema: guided decoding) shape the reply, and the sampling
+extras of chat completions (``seed``, ``top_k``, ...) are taken too, as vLLM's server takes
+them. Function tools are called as chat completions call them (``tools.py``): ``tool_choice``
+"required" or a named function, on guided decoding. :mod:`responses_render` builds the reply.
 
 Nothing is stored: ``store`` is answered ``false``, and what needs a stored response
-(``previous_response_id``, ``background``) is refused, as are tools, reasoning and ``truncation:
-"auto"``, each with a 400 that names the field. A stream sends OpenAI's semantic events, from
-``response.created`` to ``response.completed`` (or ``response.incomplete``), each with its
-``sequence_number``.
+(``previous_response_id``, ``background``) is refused, as are reasoning, ``truncation:
+"auto"`` and ``tool_choice: "auto"``, each with a 400 that names the field.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import dataclasses
 from typing import Any, ClassVar, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from specdec.serving.generation import Generation
+from specdec.llm import ChatOptions
 from specdec.serving.guided import guides_given
-from specdec.serving.protocol import ChatMessage, ChatTemplateFields, GenerationFields
-from specdec.serving.responses import new_id, now_s
+from specdec.serving.protocol import (
+    ChatMessage,
+    ChatTemplateFields,
+    GenerationFields,
+    template_message,
+)
+from specdec.serving.responses_render import Reply, events
 from specdec.serving.routes import (
     check_model,
     check_stops,
@@ -36,11 +40,18 @@ from specdec.serving.routes import (
     server_state,
     tokenize,
 )
+from specdec.serving.strict import StrictModel
+from specdec.serving.tools import (
+    FunctionDefinition,
+    FunctionName,
+    NamedToolChoice,
+    Tool,
+    calls_schema,
+)
 
 router = APIRouter()
 INPUT_ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text", "text")
-Status = Literal["in_progress", "completed", "incomplete"]
 
 
 class TextFormat(BaseModel):
@@ -60,6 +71,21 @@ class TextOptions(BaseModel):
     format: TextFormat | None = None  # None: plain text
 
 
+class FunctionTool(StrictModel):
+    """A function tool as the Responses API gives it (flat, where chat nests ``function``)."""
+
+    type: Literal["function"]
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments; None: none
+    strict: bool | None = None  # the arguments always follow the schema here
+
+
+class NamedFunction(StrictModel):
+    type: Literal["function"]
+    name: str
+
+
 class ResponsesRequest(GenerationFields, ChatTemplateFields):
     """``POST /v1/responses``: reply to ``instructions`` and ``input``, through the chat
     template. The chat completions' sampling fields are accepted as extras."""
@@ -70,11 +96,17 @@ class ResponsesRequest(GenerationFields, ChatTemplateFields):
     text: TextOptions | None = None  # the reply's format
     store: bool | None = None  # nothing is stored: answered false whatever it is
     metadata: dict[str, str] | None = None  # given back in the response
-    parallel_tool_calls: bool | None = None  # given back; there are no tools to call
+    parallel_tool_calls: bool | None = None  # given back; the calls are made as tool_choice says
+    # function tools, {"type": "function", "name", "description", "parameters"}, and whether to
+    # call them: "none", "required" or {"type": "function", "name": ...} ("auto" is refused,
+    # as chat completions refuse it: see tools.py)
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = Field(
+        None,
+        validate_default=True,  # checked when left out too: with tools it means "auto"
+    )
     previous_response_id: Any = None
     background: Any = None
-    tools: Any = None
-    tool_choice: Any = None
     reasoning: Any = None
     truncation: Any = None
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
@@ -83,8 +115,6 @@ class ResponsesRequest(GenerationFields, ChatTemplateFields):
         "prompt_logprobs": (None,),
         "previous_response_id": (None,),  # would need stored responses
         "background": (None, False),
-        "tools": (None, []),
-        "tool_choice": (None, "none", "auto"),
         "reasoning": (None,),
         "truncation": (None, "disabled"),
     }
@@ -110,6 +140,52 @@ class ResponsesRequest(GenerationFields, ChatTemplateFields):
             raise ValueError(f"give one of {given[0]} and text.format, not both")
         return value
 
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, value: Any, info: ValidationInfo) -> Any:
+        names = [t.name for t in info.data.get("tools") or []]
+        if value in (None, "auto") and names:
+            raise ValueError(
+                'is "auto" (the default with tools), which needs a parser of the model\'s own '
+                'tool-call syntax that this server does not have: set it to "required", '
+                '"none" or {"type": "function", "name": ...}'
+            )
+        if value not in (None, "none", "auto") and not names:
+            raise ValueError("needs tools: give the functions to call")
+        if isinstance(value, NamedFunction) and value.name not in names:
+            raise ValueError(f"names {value.name!r}, which is not among the tools")
+        text = info.data.get("text")
+        given = [*guides_given(info), *(["text.format"] if _format(text) else [])]
+        if value not in (None, "none", "auto") and given:
+            raise ValueError(f"give one of {given[0]} and tool_choice, not both")
+        return value
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the reply is function calls (tool_choice "required" or a named function)."""
+        return self.tool_choice not in (None, "none", "auto")
+
+    def chat_tools(self) -> list[Tool]:
+        """The tools as chat completions take them."""
+        return [
+            Tool(type="function", function=FunctionDefinition(
+                name=t.name, description=t.description, parameters=t.parameters))
+            for t in self.tools or []
+        ]  # fmt: skip
+
+    def chat_tool_choice(self) -> Any:
+        """tool_choice as chat completions take it."""
+        if isinstance(self.tool_choice, NamedFunction):
+            return NamedToolChoice(
+                type="function", function=FunctionName(name=self.tool_choice.name)
+            )
+        return self.tool_choice
+
+    def chat_options(self) -> ChatOptions:
+        options = super().chat_options()
+        tools = [t.model_dump(exclude_none=True) for t in self.chat_tools()]
+        return dataclasses.replace(options, tools=tools or None)
+
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_output_tokens or super().requested_max_tokens
@@ -125,6 +201,8 @@ class ResponsesRequest(GenerationFields, ChatTemplateFields):
         return "text" if format is None else format.type
 
     def guide(self) -> dict[str, Any]:
+        if self.calls_tools:
+            return {"json_schema": calls_schema(self.chat_tools(), self.chat_tool_choice())}
         format = _format(self.text)
         if format is not None and format.type == "json_object":
             return {"json_schema": {"type": "object"}}
@@ -133,6 +211,8 @@ class ResponsesRequest(GenerationFields, ChatTemplateFields):
         return super().guide()
 
     def guide_field(self) -> str:
+        if self.calls_tools:
+            return "tools"
         return "text" if self.format_type != "text" else super().guide_field()
 
     def longer_part(self) -> str:
@@ -141,9 +221,12 @@ class ResponsesRequest(GenerationFields, ChatTemplateFields):
         return "instructions" if len(self.instructions or "") > input_chars else "input"
 
     def conversation(self) -> list[dict[str, Any]]:
-        system = [] if self.instructions is None else [("system", self.instructions)]
-        turns = [*system, *((m.role, m.content or "") for m in self.input)]
-        return [{"role": role, "content": content} for role, content in turns]
+        system = (
+            []
+            if self.instructions is None
+            else [ChatMessage(role="system", content=self.instructions)]
+        )
+        return [template_message(m) for m in [*system, *self.input]]
 
 
 def _format(text: TextOptions | None) -> TextFormat | None:
@@ -151,11 +234,20 @@ def _format(text: TextOptions | None) -> TextFormat | None:
 
 
 def _message(item: Any) -> Any:
-    """An input item as a chat message: ``{"role", "content"}`` with ``type`` "message" or
-    none, its content a text or a list of text parts (input_text, output_text)."""
-    if not isinstance(item, dict) or item.get("type", "message") != "message":
-        kind = item.get("type") if isinstance(item, dict) else type(item).__name__
-        raise ValueError(f"only message items are supported, got {kind!r}")
+    """An input item as a chat message: a message (``type`` "message" or none) with a text or
+    text parts (input_text, output_text); an earlier ``function_call`` as an assistant's call;
+    a ``function_call_output`` as the tool's answer."""
+    kind = item.get("type", "message") if isinstance(item, dict) else type(item).__name__
+    if kind == "function_call":
+        function = {"name": item.get("name"), "arguments": item.get("arguments")}
+        call = {"id": item.get("call_id"), "type": "function", "function": function}
+        return {"role": "assistant", "content": None, "tool_calls": [call]}
+    if kind == "function_call_output":
+        return {"role": "tool", "tool_call_id": item.get("call_id"), "content": item.get("output")}
+    if kind != "message":
+        raise ValueError(
+            f"only message, function_call and function_call_output items are supported, got {kind!r}"
+        )
     if item.get("role") not in INPUT_ROLES:
         raise ValueError(f"a message's role must be one of {', '.join(INPUT_ROLES)}")
     content = item.get("content")
@@ -166,141 +258,6 @@ def _message(item: Any) -> Any:
                 raise ValueError(f"only text content parts are supported, got {kind!r}")
         content = [{"type": "text", "text": part.get("text")} for part in content]
     return {"role": item["role"], "content": content}
-
-
-class OutputText(BaseModel):
-    type: Literal["output_text"] = "output_text"
-    text: str
-    annotations: list[Any] = []
-    logprobs: list[Any] = []
-
-
-class OutputMessage(BaseModel):
-    type: Literal["message"] = "message"
-    id: str
-    status: Status
-    role: Literal["assistant"] = "assistant"
-    content: list[OutputText]
-
-
-class ResponseUsage(BaseModel):
-    input_tokens: int
-    input_tokens_details: dict[str, int] = {"cached_tokens": 0}
-    output_tokens: int
-    output_tokens_details: dict[str, int] = {"reasoning_tokens": 0}
-    total_tokens: int
-
-
-class ResponseObject(BaseModel):
-    """A response as OpenAI gives it: the request's settings, the output, the usage."""
-
-    id: str
-    object: Literal["response"] = "response"
-    created_at: int
-    status: Status
-    error: None = None
-    incomplete_details: dict[str, str] | None = None  # {"reason": "max_output_tokens"}
-    instructions: str | None
-    max_output_tokens: int | None
-    model: str
-    output: list[OutputMessage]
-    parallel_tool_calls: bool
-    previous_response_id: None = None
-    reasoning: None = None
-    store: bool = False
-    temperature: float
-    text: dict[str, Any]
-    tool_choice: str
-    tools: list[Any] = []
-    top_p: float
-    truncation: str = "disabled"
-    usage: ResponseUsage | None
-    user: None = None
-    metadata: dict[str, str]
-
-
-class Reply:
-    """One response under way: its fixed fields, and the body as it stands."""
-
-    def __init__(self, body: ResponsesRequest, model: str, generation: Generation):
-        self.body, self.model, self.generation = body, model, generation
-        self.id, self.message_id, self.created_at = new_id("resp"), new_id("msg"), now_s()
-
-    def response(self, finished: bool) -> ResponseObject:
-        """The body: in progress with no output, or finished with the message and usage."""
-        body, choice = self.body, self.generation.choices[0]
-        incomplete = finished and choice.finish_reason == "length"
-        status: Status = (
-            "in_progress" if not finished else "incomplete" if incomplete else "completed"
-        )
-        output = [self.message(choice.text, status)] if finished else []
-        usage = self.generation.usage()
-        format = _format(body.text)
-        text = (
-            {"type": "text"}
-            if format is None
-            else format.model_dump(by_alias=True, exclude_none=True)
-        )
-        return ResponseObject(
-            id=self.id,
-            created_at=self.created_at,
-            status=status,
-            incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
-            instructions=body.instructions,
-            max_output_tokens=body.max_output_tokens,
-            model=self.model,
-            output=output,
-            parallel_tool_calls=body.parallel_tool_calls is not False,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            text={"format": text},
-            tool_choice=body.tool_choice or "auto",
-            top_p=1.0 if body.top_p is None else body.top_p,
-            usage=ResponseUsage(
-                input_tokens=usage.prompt_tokens,
-                output_tokens=usage.completion_tokens,
-                total_tokens=usage.total_tokens,
-            )
-            if finished
-            else None,
-            metadata=body.metadata or {},
-        )
-
-    def message(self, text: str, status: Status) -> OutputMessage:
-        return OutputMessage(id=self.message_id, status=status, content=[OutputText(text=text)])
-
-
-class Event(BaseModel):
-    """A stream event: its ``type``, ``sequence_number`` and the type's own fields."""
-
-    model_config = ConfigDict(extra="allow")
-    type: str
-    sequence_number: int
-
-
-async def events(reply: Reply) -> AsyncIterator[Event]:
-    """OpenAI's stream of semantic events for a one-message reply."""
-    number = 0
-
-    def event(kind: str, **fields: Any) -> Event:
-        nonlocal number
-        number += 1
-        return Event(type=f"response.{kind}", sequence_number=number - 1, **fields)
-
-    where = {"item_id": reply.message_id, "output_index": 0, "content_index": 0}
-    started = reply.response(finished=False)
-    yield event("created", response=started)
-    yield event("in_progress", response=started)
-    yield event("output_item.added", output_index=0, item=reply.message("", "in_progress"))
-    yield event("content_part.added", **where, part=OutputText(text=""))
-    async for _, delta in reply.generation.deltas():
-        if delta.text:
-            yield event("output_text.delta", **where, delta=delta.text, logprobs=[])
-    done = reply.response(finished=True)
-    text = reply.generation.choices[0].text
-    yield event("output_text.done", **where, text=text, logprobs=[])
-    yield event("content_part.done", **where, part=OutputText(text=text))
-    yield event("output_item.done", output_index=0, item=done.output[0])
-    yield event("completed" if done.status == "completed" else "incomplete", response=done)
 
 
 @router.post("/v1/responses")

@@ -138,12 +138,31 @@ def test_seeded_sampling_is_reproducible(served):
     [
         ({"previous_response_id": "resp_1"}, "previous_response_id", "not supported"),
         ({"background": True}, "background", "not supported"),
-        ({"tools": [{"type": "function", "name": "f"}]}, "tools", "not supported"),
+        ({"tools": [{"type": "function", "name": "f"}]}, "tool_choice", '"auto"'),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        (
+            {
+                "tools": [{"type": "function", "name": "f"}],
+                "tool_choice": {"type": "function", "name": "g"},
+            },
+            "tool_choice",
+            "not among the tools",
+        ),  # fmt: skip
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type", "function"),
+        (
+            {
+                "tools": [{"type": "function", "name": "f"}],
+                "tool_choice": "required",
+                "text": {"format": {"type": "json_object"}},
+            },
+            "tool_choice",
+            "give one of text.format and tool_choice",
+        ),  # fmt: skip
         ({"truncation": "auto"}, "truncation", "not supported"),
         ({"reasoning": {"effort": "low"}}, "reasoning", "not supported"),
         ({"n": 2}, "n", "not supported"),
         ({"input": []}, "input", "a text or a non-empty list of messages"),
-        ({"input": [{"type": "function_call_output"}]}, "input", "only message items"),
+        ({"input": [{"type": "file_search_call"}]}, "input", "only message, function_call"),
         ({"input": [{"role": "tool", "content": "x"}]}, "input", "role must be one of"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
@@ -168,3 +187,100 @@ def test_bad_requests_are_refused_by_name(served, body, param, message):
     error = reply.json()["error"]
     assert error["param"] == param and message in error["message"], error
     served.wait_until_idle()
+
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Rome"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+CHAT_WEATHER = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_named_function_is_called_as_chat_completions_call_it(served, stream):
+    """The call's arguments are the chat route's for the same tools and tool_choice."""
+    chat = served.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": QUESTION}], "temperature": 0, "max_tokens": 40,
+        "tools": [CHAT_WEATHER],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    }).json()["choices"][0]["message"]["tool_calls"][0]  # fmt: skip
+    body = {"input": QUESTION, "temperature": 0, "max_output_tokens": 40, "tools": [WEATHER],
+            "tool_choice": {"type": "function", "name": "get_weather"}}  # fmt: skip
+    client = served.client()
+    if not stream:
+        out = client.responses.create(model=MODEL, **body)  # type: ignore[call-overload]
+    else:
+        events = list(client.responses.create(model=MODEL, stream=True, **body))  # type: ignore[call-overload]
+        kinds = [e.type for e in events]
+        assert "response.output_text.delta" not in kinds
+        assert kinds[2:] == [
+            "response.output_item.added",
+            "response.function_call_arguments.delta",
+            "response.function_call_arguments.done",
+            "response.output_item.done",
+            "response.completed",
+        ]
+        assert events[3].delta == events[4].arguments == events[5].item.arguments
+        out = events[-1].response
+    call = out.output[0]
+    assert out.status == "completed" and len(out.output) == 1
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert call.arguments == chat["function"]["arguments"] and call.call_id.startswith("call_")
+    assert json.loads(call.arguments)["city"] in ("Paris", "Rome")
+
+
+def test_required_calls_and_a_conversation_that_answers_them(served):
+    """ "required" gives function_call items; a conversation carries them back with their
+    outputs, rendered as chat completions render the same turns."""
+    out = served.post("/v1/responses", json={
+        "input": QUESTION, "temperature": 0, "max_output_tokens": 200, "tools": [WEATHER],
+        "tool_choice": "required",
+    }).json()  # fmt: skip
+    assert out["status"] == "completed" and out["output"]
+    assert {item["type"] for item in out["output"]} == {"function_call"}
+    call = out["output"][0]
+    assert call["name"] == "get_weather" and json.loads(call["arguments"])["city"] in (
+        "Paris",
+        "Rome",
+    )
+    answered = [
+        {"role": "user", "content": QUESTION},
+        {"type": "function_call", "call_id": call["call_id"], "name": call["name"],
+         "arguments": call["arguments"]},
+        {"type": "function_call_output", "call_id": call["call_id"], "output": "Sunny, 21 C"},
+    ]  # fmt: skip
+    body = {"input": answered, "tools": [WEATHER], "tool_choice": "none", "temperature": 0,
+            "max_output_tokens": 12}  # fmt: skip
+    reply = served.post("/v1/responses", json=body).json()
+    messages = [
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": call["call_id"],
+         "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}]},
+        {"role": "tool", "tool_call_id": call["call_id"], "content": "Sunny, 21 C"},
+    ]  # fmt: skip
+    chat = served.post("/v1/chat/completions", json={
+        "messages": messages, "tools": [CHAT_WEATHER], "tool_choice": "none", "temperature": 0,
+        "max_tokens": 12,
+    }).json()  # fmt: skip
+    assert reply["output"][0]["type"] == "message"
+    text = reply["output"][0]["content"][0]["text"]
+    assert text == chat["choices"][0]["message"]["content"]
+    assert reply["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
+
+
+def test_calls_cut_short_stay_text(served):
+    body = {"input": QUESTION, "tools": [WEATHER], "tool_choice": "required",
+            "max_output_tokens": 3}  # fmt: skip
+    out = served.post("/v1/responses", json=body).json()
+    assert out["status"] == "incomplete" and out["output"][0]["type"] == "message"
+    assert out["output"][0]["content"][0]["text"].startswith("[")
+    events = list(served.client().responses.create(model=MODEL, stream=True, **body))  # type: ignore[call-overload]
+    assert [e.type for e in events][-1] == "response.incomplete"
+    assert events[-1].response.output[0].content[0].text.startswith("[")

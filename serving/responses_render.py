@@ -1,0 +1,208 @@
+"""The Responses API's reply: the response object, its output items, and the stream's events.
+
+A text reply is one ``message`` item holding one ``output_text`` part, streamed as it is
+generated. A reply of function calls (``tool_choice`` "required" or a named function) is one
+``function_call`` item per call, sent whole once the reply has ended: the text of a
+"required" reply is a JSON array that is parsed only when complete. Cut short by
+``max_output_tokens``, a reply of calls stays text, as chat completions leave it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from specdec.serving.generation import Generation
+from specdec.serving.responses import new_id, now_s
+from specdec.serving.tools import tool_calls_of
+
+if TYPE_CHECKING:
+    from specdec.serving.responses_api import ResponsesRequest
+
+Status = Literal["in_progress", "completed", "incomplete"]
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = []
+    logprobs: list[Any] = []
+
+
+class OutputMessage(BaseModel):
+    type: Literal["message"] = "message"
+    id: str
+    status: Status
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText]
+
+
+class FunctionCallItem(BaseModel):
+    type: Literal["function_call"] = "function_call"
+    id: str  # the item's
+    call_id: str  # the call's, for its function_call_output
+    name: str
+    arguments: str  # JSON text
+    status: Status
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: dict[str, int] = {"cached_tokens": 0}
+    output_tokens: int
+    output_tokens_details: dict[str, int] = {"reasoning_tokens": 0}
+    total_tokens: int
+
+
+class ResponseObject(BaseModel):
+    """A response as OpenAI gives it: the request's settings, the output, the usage."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Status
+    error: None = None
+    incomplete_details: dict[str, str] | None = None  # {"reason": "max_output_tokens"}
+    instructions: str | None
+    max_output_tokens: int | None
+    model: str
+    output: list[OutputMessage | FunctionCallItem]
+    parallel_tool_calls: bool
+    previous_response_id: None = None
+    reasoning: None = None
+    store: bool = False
+    temperature: float
+    text: dict[str, Any]
+    tool_choice: Any
+    tools: list[Any]
+    top_p: float
+    truncation: str = "disabled"
+    usage: ResponseUsage | None
+    user: None = None
+    metadata: dict[str, str]
+
+
+class Reply:
+    """One response under way: its fixed fields, and the body as it stands."""
+
+    def __init__(self, body: ResponsesRequest, model: str, generation: Generation):
+        self.body, self.model, self.generation = body, model, generation
+        self.id, self.message_id, self.created_at = new_id("resp"), new_id("msg"), now_s()
+
+    def response(self, finished: bool) -> ResponseObject:
+        """The body: in progress with no output, or finished with its items and usage."""
+        body, choice = self.body, self.generation.choices[0]
+        incomplete = finished and choice.finish_reason == "length"
+        status: Status = "incomplete" if incomplete else "completed"
+        usage = self.generation.usage()
+        format = body.text.format if body.text else None
+        return ResponseObject(
+            id=self.id,
+            created_at=self.created_at,
+            status=status if finished else "in_progress",
+            incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
+            instructions=body.instructions,
+            max_output_tokens=body.max_output_tokens,
+            model=self.model,
+            output=self.output(status) if finished else [],
+            parallel_tool_calls=body.parallel_tool_calls is not False,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            text={
+                "format": {"type": "text"}
+                if format is None
+                else format.model_dump(by_alias=True, exclude_none=True)
+            },
+            tool_choice=_dumped(body.tool_choice) or "auto",
+            tools=[t.model_dump(exclude_none=True) for t in body.tools or []],
+            top_p=1.0 if body.top_p is None else body.top_p,
+            usage=ResponseUsage(
+                input_tokens=usage.prompt_tokens,
+                output_tokens=usage.completion_tokens,
+                total_tokens=usage.total_tokens,
+            )
+            if finished
+            else None,
+            metadata=body.metadata or {},
+        )
+
+    def output(self, status: Status) -> list[OutputMessage | FunctionCallItem]:
+        """The finished reply's items: its function calls, or one message."""
+        choice = self.generation.choices[0]
+        calls = None
+        if self.body.calls_tools and choice.finish_reason == "stop":
+            calls = tool_calls_of(choice.text, self.body.chat_tool_choice())
+        if calls is None:
+            return [self.message(choice.text, status)]
+        return [
+            FunctionCallItem(
+                id=f"fc_{uuid.uuid4().hex}",
+                call_id=call.id,
+                name=call.function.name,
+                arguments=call.function.arguments,
+                status="completed",
+            )
+            for call in calls
+        ]
+
+    def message(self, text: str, status: Status) -> OutputMessage:
+        return OutputMessage(id=self.message_id, status=status, content=[OutputText(text=text)])
+
+
+def _dumped(value: Any) -> Any:
+    return value.model_dump() if isinstance(value, BaseModel) else value
+
+
+class Event(BaseModel):
+    """A stream event: its ``type``, ``sequence_number`` and the type's own fields."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    sequence_number: int
+
+
+async def events(reply: Reply) -> AsyncIterator[Event]:
+    """OpenAI's stream of semantic events: a text reply's text as it is generated, a reply of
+    calls item by item once it has ended."""
+    number = 0
+
+    def event(kind: str, **fields: Any) -> Event:
+        nonlocal number
+        number += 1
+        return Event(type=f"response.{kind}", sequence_number=number - 1, **fields)
+
+    started = reply.response(finished=False)
+    yield event("created", response=started)
+    yield event("in_progress", response=started)
+    streamed = not reply.body.calls_tools
+    where = {"item_id": reply.message_id, "output_index": 0, "content_index": 0}
+    if streamed:
+        yield event("output_item.added", output_index=0, item=reply.message("", "in_progress"))
+        yield event("content_part.added", **where, part=OutputText(text=""))
+    async for _, delta in reply.generation.deltas():
+        if delta.text and streamed:
+            yield event("output_text.delta", **where, delta=delta.text, logprobs=[])
+    done = reply.response(finished=True)
+    for index, item in enumerate(done.output):
+        if not streamed:  # the item opens now, and its content comes whole
+            opened = item.model_copy(update={"status": "in_progress"})
+            if isinstance(item, FunctionCallItem):
+                opened = opened.model_copy(update={"arguments": ""})
+            else:
+                opened = opened.model_copy(update={"content": []})
+            yield event("output_item.added", output_index=index, item=opened)
+        if isinstance(item, FunctionCallItem):
+            call = {"item_id": item.id, "output_index": index}
+            yield event("function_call_arguments.delta", **call, delta=item.arguments)
+            yield event("function_call_arguments.done", **call, arguments=item.arguments)
+        else:
+            text = item.content[0].text
+            if not streamed:
+                yield event("content_part.added", **where, part=OutputText(text=""))
+                yield event("output_text.delta", **where, delta=text, logprobs=[])
+            yield event("output_text.done", **where, text=text, logprobs=[])
+            yield event("content_part.done", **where, part=OutputText(text=text))
+        yield event("output_item.done", output_index=index, item=item)
+    yield event("completed" if done.status == "completed" else "incomplete", response=done)
