@@ -165,3 +165,20 @@ def test_open_loop_arrivals_reach_a_running_server(served):
     assert all(r.completion_tokens == 5 for r in report.records)
     assert report.duration_s >= arrivals[-1]
     served.wait_until_idle()
+
+
+def test_closing_a_responses_stream_aborts_its_request(served):
+    before = scrape(served.url).get("specdec_request_finished_total{finish_reason=abort}", 0)
+    stream = served.client().responses.create(
+        model=MODEL,
+        input="cancel me",
+        max_output_tokens=400,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    kinds = [next(iter(stream)).type for _ in range(5)]  # opened, and text on its way
+    assert kinds[-1] == "response.output_text.delta"
+    stream.close()
+    m = wait_until_metrics_idle(served.url)
+    assert m["specdec_request_finished_total{finish_reason=abort}"] - before == 1
+    served.wait_until_idle()
