@@ -29,6 +29,7 @@ from specdec.serving.logprobs import TokenTexts
 from specdec.serving.metrics import RequestCountMiddleware, ServerMetrics
 from specdec.serving.responses_api import router as responses_router
 from specdec.serving.routes import router
+from specdec.serving.tool_parsers import TOOL_CALL_PARSERS
 
 
 @dataclass(slots=True)
@@ -45,6 +46,10 @@ class ServerConfig:
     max_stop_chars: int = 256  # longest stop string, in characters; beyond, 400
     openapi: bool = False  # serve the OpenAPI schema at /openapi.json (behind the key, if set)
     metrics_require_key: bool = False  # put /metrics behind the API key too
+    # tool_choice "auto" (vLLM's --enable-auto-tool-choice): the model decides whether to call,
+    # and tool_call_parser (see tool_parsers.py: "hermes") finds its calls in the reply
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         names = ("max_concurrent", "max_body_bytes", "retry_after_s", "max_stop_chars")
@@ -58,6 +63,13 @@ class ServerConfig:
             raise ValueError("api_key must not be empty (leave it unset for an open server)")
         if self.metrics_require_key and self.api_key is None:
             raise ValueError("metrics_require_key needs an api_key")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                f"got {self.tool_call_parser!r}"
+            )
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser (e.g. 'hermes')")
 
 
 @dataclass(slots=True)

@@ -13,6 +13,7 @@ import click
 import uvicorn
 
 from specdec.cli_options import model_options, spec_config, speculation_options
+from specdec.serving.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,17 @@ def _is_loopback(host: str) -> bool:
     help="Put /metrics behind --api-key too (by default it is open, as in vLLM).",
 )
 @click.option(
+    "--enable-auto-tool-choice",
+    is_flag=True,
+    help='Take tool_choice "auto" (the default with tools): needs --tool-call-parser.',
+)
+@click.option(
+    "--tool-call-parser",
+    type=click.Choice(TOOL_CALL_PARSERS),
+    default=None,
+    help='The model\'s tool-call syntax, read under tool_choice "auto" (hermes: <tool_call>).',
+)
+@click.option(
     "--openapi",
     is_flag=True,
     help="Serve the OpenAPI schema at /openapi.json (behind --api-key, if set).",
@@ -106,6 +118,8 @@ def serve(
     max_stop_strings: int,
     max_stop_chars: int,
     metrics_require_key: bool,
+    enable_auto_tool_choice: bool,
+    tool_call_parser: str | None,
     openapi: bool,
     served_model_name: str | None,
     max_model_len: int | None,
@@ -128,6 +142,8 @@ def serve(
             max_stop_chars=max_stop_chars,
             openapi=openapi,
             metrics_require_key=metrics_require_key,
+            enable_auto_tool_choice=enable_auto_tool_choice,
+            tool_call_parser=tool_call_parser,
         )
         llm = LLM(
             model,

@@ -270,23 +270,16 @@ class ChatCompletionRequest(GenerationFields, ChatTemplateFields):
     @classmethod
     def _tool_choice(cls, value: Any, info: ValidationInfo) -> Any:
         names = [t.function.name for t in info.data.get("tools") or []]
-        if value in (None, "auto") and names:
-            raise ValueError(
-                'is "auto" (the default with tools), which needs a parser of the model\'s own '
-                'tool-call syntax that this server does not have: set it to "required", '
-                '"none" or {"type": "function", "function": {"name": ...}}'
-            )
-        if value not in (None, "none") and not names:
+        if value not in (None, "none", "auto") and not names:
             raise ValueError("needs tools: give the functions to call")
         if isinstance(value, NamedToolChoice) and value.function.name not in names:
             raise ValueError(f"names {value.function.name!r}, which is not among the tools")
-        if value not in (None, "none"):
-            given = guides_given(info)
-            if given:
-                raise ValueError(f"give one of {given[0]} and tool_choice, not both")
-            if info.data.get("echo"):
-                raise ValueError("cannot be combined with echo: a reply of calls starts afresh")
-        return value
+        given = guides_given(info)  # "auto" takes a guide: its parser reads what it lets through
+        if value not in (None, "none", "auto") and given:
+            raise ValueError(f"give one of {given[0]} and tool_choice, not both")
+        if names and value != "none" and info.data.get("echo"):
+            raise ValueError("cannot be combined with echo: a reply of calls starts afresh")
+        return value  # "auto" with tools needs the server's parser: see routes.auto_tools
 
     def guide_field(self) -> str:
         return "tools" if self.calls_tools else super().guide_field()
@@ -300,6 +293,14 @@ class ChatCompletionRequest(GenerationFields, ChatTemplateFields):
     def calls_tools(self) -> bool:
         """Whether the reply is function calls (tool_choice "required" or a named function)."""
         return self.tool_choice not in (None, "none", "auto")
+
+    @property
+    def auto_tools(self) -> bool:
+        """Whether the model decides whether to call (tool_choice "auto", the default with tools)."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
+
+    def tool_names(self) -> list[str]:
+        return [t.function.name for t in self.tools or []]
 
     def guide(self) -> dict[str, Any]:
         if self.calls_tools:

@@ -38,6 +38,7 @@ from specdec.serving.responses import (
     new_id,
     now_s,
 )
+from specdec.serving.tool_parsers import HermesStream, parse_hermes
 from specdec.serving.tools import new_call_id, tool_calls_of
 
 
@@ -52,6 +53,7 @@ class ResponseMeta:
     echo: list[str] | None = None  # each choice's start: its prompt (chat: the final message)
     prompt_logprobs: bool = False  # show the prompt tokens' logprobs (vLLM's prompt_logprobs)
     tool_choice: Any = None  # "required" or a named function: the replies are function calls
+    auto_tools: list[str] | None = None  # "auto": the tools' names, for the parser of the calls
 
     def __post_init__(self) -> None:
         self.id = self.id or new_id(self.prefix)
@@ -149,6 +151,11 @@ def chat_response(generation: Generation, meta: ResponseMeta) -> ChatCompletionR
         calls = _calls(c.text, reason, meta)
         if calls is not None:
             message, reason = ToolCallsMessage(tool_calls=calls), _calls_reason(meta)
+        elif meta.auto_tools is not None and reason == "stop":
+            parsed = parse_hermes(c.text, meta.auto_tools)
+            if parsed.tool_calls:
+                message = ToolCallsMessage(content=parsed.content, tool_calls=parsed.tool_calls)
+                reason = "tool_calls"
         logprobs = None if c.logprobs is None else chat_logprobs(c.logprobs, texts)
         choices.append(
             ChatChoice(index=i, message=message, logprobs=logprobs, finish_reason=reason)
@@ -186,7 +193,12 @@ async def chat_chunks(
         yield chunk([ChatChunkChoice(index=i, delta=opening)])
     texts = generation.state.token_texts
     held = [""] * len(generation.choices)  # "required": each reply's text, parsed at its end
+    auto = [HermesStream(meta.auto_tools) for _ in held] if meta.auto_tools is not None else None
     async for i, delta in generation.deltas():
+        if auto is not None:
+            for chunk_choice in _auto_deltas(auto[i], i, delta, texts):
+                yield chunk([chunk_choice])
+            continue
         if delta.text or delta.finished or delta.logprobs:
             reason = delta.finish_reason if delta.finished else None
             content: ChatDelta | ToolCallsDelta = ChatDelta(content=delta.text)
@@ -209,6 +221,35 @@ async def chat_chunks(
             )
     if include_usage:
         yield chunk([]).model_copy(update={"usage": generation.usage()})
+
+
+def _auto_deltas(
+    stream: HermesStream, i: int, delta: Any, texts: TokenTexts
+) -> list[ChatChunkChoice]:
+    """Under "auto": the text the parser lets through now; at the end, what it held back, then
+    the calls whole (finish_reason "tool_calls"), or the held text if it holds no call."""
+    content = stream.feed(delta.text)
+    logprobs = None if delta.logprobs is None else chat_logprobs(delta.logprobs, texts)
+    if not delta.finished:
+        if not content and not logprobs:
+            return []
+        return [ChatChunkChoice(index=i, delta=ChatDelta(content=content), logprobs=logprobs)]
+    if delta.finish_reason == "stop":
+        parsed = stream.finish()
+        calls, rest = parsed.tool_calls, content + (parsed.content or "")
+    else:  # cut short: what was held back stays text
+        calls, rest = [], content + stream.flush()
+    if not calls:
+        text = ChatDelta(content=rest)
+        return [
+            ChatChunkChoice(
+                index=i, delta=text, logprobs=logprobs, finish_reason=delta.finish_reason
+            )
+        ]
+    whole = ToolCallsDelta(tool_calls=[_whole(k, c) for k, c in enumerate(calls)])
+    out = [ChatChunkChoice(index=i, delta=ChatDelta(content=rest))] if rest else []
+    out.append(ChatChunkChoice(index=i, delta=whole, logprobs=logprobs, finish_reason="tool_calls"))
+    return out
 
 
 def _calls(text: str, finish_reason: str | None, meta: ResponseMeta) -> list[Any] | None:

@@ -103,10 +103,11 @@ class ToolCall(BaseModel):
 
 
 class ToolCallsMessage(BaseModel):
-    """A reply that calls functions (``tool_choice`` "required" or a named function)."""
+    """A reply that calls functions: under ``tool_choice`` "required" or a named function, or
+    under "auto" where the model chose to (then with any text it wrote before its calls)."""
 
     role: Literal["assistant"] = "assistant"
-    content: None = None
+    content: str | None = None
     tool_calls: list[ToolCall]
 
 

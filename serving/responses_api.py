@@ -10,7 +10,8 @@ them. Function tools are called as chat completions call them (``tools.py``): ``
 
 Nothing is stored: ``store`` is answered ``false``, and what needs a stored response
 (``previous_response_id``, ``background``) is refused, as are reasoning, ``truncation:
-"auto"`` and ``tool_choice: "auto"``, each with a 400 that names the field.
+"auto"``, each with a 400 that names the field. ``tool_choice: "auto"`` needs a server
+started with a tool-call parser, as chat completions do.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from specdec.serving.protocol import (
 )
 from specdec.serving.responses_render import Reply, events
 from specdec.serving.routes import (
+    auto_tools,
     check_model,
     check_stops,
     make_generation,
@@ -144,12 +146,6 @@ class ResponsesRequest(GenerationFields, ChatTemplateFields):
     @classmethod
     def _tool_choice(cls, value: Any, info: ValidationInfo) -> Any:
         names = [t.name for t in info.data.get("tools") or []]
-        if value in (None, "auto") and names:
-            raise ValueError(
-                'is "auto" (the default with tools), which needs a parser of the model\'s own '
-                'tool-call syntax that this server does not have: set it to "required", '
-                '"none" or {"type": "function", "name": ...}'
-            )
         if value not in (None, "none", "auto") and not names:
             raise ValueError("needs tools: give the functions to call")
         if isinstance(value, NamedFunction) and value.name not in names:
@@ -159,6 +155,14 @@ class ResponsesRequest(GenerationFields, ChatTemplateFields):
         if value not in (None, "none", "auto") and given:
             raise ValueError(f"give one of {given[0]} and tool_choice, not both")
         return value
+
+    @property
+    def auto_tools(self) -> bool:
+        """Whether the model decides whether to call (tool_choice "auto", the default with tools)."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
+
+    def tool_names(self) -> list[str]:
+        return [t.name for t in self.tools or []]
 
     @property
     def calls_tools(self) -> bool:
@@ -265,10 +269,11 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
     state = server_state(request)
     check_model(state, body.model)
     check_stops(state, body)
+    names = auto_tools(state, body)
     text = await render_chat(state, body.conversation(), body.chat_options(), "input")
     prompt = await tokenize(state, text, body.longer_part())
     generation = make_generation(state, body, [prompt], "input")
-    reply = Reply(body, state.model_name, generation)
+    reply = Reply(body, state.model_name, generation, names)
     return await respond(
         request,
         generation,

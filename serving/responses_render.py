@@ -3,8 +3,11 @@
 A text reply is one ``message`` item holding one ``output_text`` part, streamed as it is
 generated. A reply of function calls (``tool_choice`` "required" or a named function) is one
 ``function_call`` item per call, sent whole once the reply has ended: the text of a
-"required" reply is a JSON array that is parsed only when complete. Cut short by
-``max_output_tokens``, a reply of calls stays text, as chat completions leave it.
+"required" reply is a JSON array that is parsed only when complete. Under
+``tool_choice: "auto"`` the parser of the server's ``tool_call_parser`` finds the calls in the
+finished reply (any text before them becomes a message item first), so such a reply is sent
+whole at its end too. Cut short by ``max_output_tokens``, a reply of calls stays text, as chat
+completions leave it.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pydantic import BaseModel, ConfigDict
 
 from specdec.serving.generation import Generation
 from specdec.serving.responses import new_id, now_s
+from specdec.serving.tool_parsers import parse_hermes
 from specdec.serving.tools import tool_calls_of
 
 if TYPE_CHECKING:
@@ -88,8 +92,15 @@ class ResponseObject(BaseModel):
 class Reply:
     """One response under way: its fixed fields, and the body as it stands."""
 
-    def __init__(self, body: ResponsesRequest, model: str, generation: Generation):
+    def __init__(
+        self,
+        body: ResponsesRequest,
+        model: str,
+        generation: Generation,
+        auto_tools: list[str] | None = None,  # "auto": the tools' names, for the parser
+    ):
         self.body, self.model, self.generation = body, model, generation
+        self.auto_tools = auto_tools
         self.id, self.message_id, self.created_at = new_id("resp"), new_id("msg"), now_s()
 
     def response(self, finished: bool) -> ResponseObject:
@@ -131,12 +142,16 @@ class Reply:
     def output(self, status: Status) -> list[OutputMessage | FunctionCallItem]:
         """The finished reply's items: its function calls, or one message."""
         choice = self.generation.choices[0]
-        calls = None
+        calls, said = None, None
         if self.body.calls_tools and choice.finish_reason == "stop":
             calls = tool_calls_of(choice.text, self.body.chat_tool_choice())
+        elif self.auto_tools is not None and choice.finish_reason == "stop":
+            parsed = parse_hermes(choice.text, self.auto_tools)
+            calls, said = parsed.tool_calls or None, parsed.content
         if calls is None:
             return [self.message(choice.text, status)]
-        return [
+        text: list[OutputMessage | FunctionCallItem] = [self.message(said, status)] if said else []
+        return text + [
             FunctionCallItem(
                 id=f"fc_{uuid.uuid4().hex}",
                 call_id=call.id,
@@ -176,7 +191,7 @@ async def events(reply: Reply) -> AsyncIterator[Event]:
     started = reply.response(finished=False)
     yield event("created", response=started)
     yield event("in_progress", response=started)
-    streamed = not reply.body.calls_tools
+    streamed = not reply.body.calls_tools and reply.auto_tools is None  # else held to the end
     where = {"item_id": reply.message_id, "output_index": 0, "content_index": 0}
     if streamed:
         yield event("output_item.added", output_index=0, item=reply.message("", "in_progress"))

@@ -48,6 +48,7 @@ from specdec.serving.responses import (
 
 if TYPE_CHECKING:
     from specdec.serving.app import ServerState
+    from specdec.serving.responses_api import ResponsesRequest as ResponsesBody
 
 router = APIRouter()
 CLIENT_CLOSED_REQUEST = 499  # the status logged for a request whose client went away
@@ -144,6 +145,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     check_model(state, body.model)
     check_stops(state, body)
     show_prompt_logprobs = check_prompt_logprobs(body)
+    names = auto_tools(state, body)
     text = await render_chat(state, body.conversation(), body.chat_options())
     prompt = await tokenize(state, text, "messages")
     generation = make_generation(state, body, [prompt], "messages")
@@ -155,6 +157,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         echo=echo,
         prompt_logprobs=show_prompt_logprobs,
         tool_choice=body.tool_choice if body.calls_tools else None,
+        auto_tools=names,
     )
     full = partial(chat_response, generation, meta)
     chunks = partial(chat_chunks, generation, meta, body.include_usage)
@@ -169,6 +172,23 @@ def check_model(state: ServerState, model: str | None) -> None:
             param="model",
             code="model_not_found",
         )
+
+
+def auto_tools(state: ServerState, body: ChatCompletionRequest | ResponsesBody) -> list[str] | None:
+    """The tools' names when the model decides whether to call them (tool_choice "auto", the
+    default with tools), else None; 400 where the server has no parser for its calls."""
+    if not body.auto_tools:
+        return None
+    if not state.config.enable_auto_tool_choice:
+        raise APIError(
+            400,
+            'tool_choice is "auto" (the default with tools), which needs a parser of the '
+            "model's own tool-call syntax: start the server with --enable-auto-tool-choice "
+            '--tool-call-parser hermes, or set it to "required", "none" or {"type": '
+            '"function", "function": {"name": ...}}',
+            param="tool_choice",
+        )
+    return body.tool_names()
 
 
 def check_prompt_logprobs(body: GenerationFields) -> bool:

@@ -122,3 +122,16 @@ def test_loadgen_command_prints_figures(served):
     assert "8 ok, 0 failed, 0 disconnected" in result.output and "TTFT" in result.output
     as_json = CliRunner().invoke(loadgen.main, [*args, "--json"])
     assert json.loads(as_json.output)["requests_ok"] == 8
+
+
+def test_serve_takes_auto_tool_choice_with_a_parser(captured_run):
+    args = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    result = CliRunner().invoke(cli.serve, args)
+    assert result.exit_code == 0, result.output
+    config = captured_run["app"].state.server.config
+    assert config.enable_auto_tool_choice and config.tool_call_parser == "hermes"
+    bad = CliRunner().invoke(cli.serve, ["--enable-auto-tool-choice"])
+    assert bad.exit_code != 0
+    assert "enable_auto_tool_choice needs a tool_call_parser" in bad.output
+    bad = CliRunner().invoke(cli.serve, ["--tool-call-parser", "mistral"])
+    assert bad.exit_code == 2 and "'mistral' is not 'hermes'" in bad.output

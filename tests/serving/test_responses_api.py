@@ -5,6 +5,7 @@ what needs stored responses or tools is refused by name."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -138,7 +139,11 @@ def test_seeded_sampling_is_reproducible(served):
     [
         ({"previous_response_id": "resp_1"}, "previous_response_id", "not supported"),
         ({"background": True}, "background", "not supported"),
-        ({"tools": [{"type": "function", "name": "f"}]}, "tool_choice", '"auto"'),
+        (
+            {"tools": [{"type": "function", "name": "f"}]},
+            "tool_choice",
+            "--enable-auto-tool-choice",
+        ),
         ({"tool_choice": "required"}, "tool_choice", "needs tools"),
         (
             {
@@ -284,3 +289,37 @@ def test_calls_cut_short_stay_text(served):
     events = list(served.client().responses.create(model=MODEL, stream=True, **body))  # type: ignore[call-overload]
     assert [e.type for e in events][-1] == "response.incomplete"
     assert events[-1].response.output[0].content[0].text.startswith("[")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_reads_the_calls_the_model_writes(stream):
+    """Under "auto", on a server with a parser: the text before the calls is a message item,
+    each call a function_call item (the calls forced by a guide, the tiny model being random)."""
+    from specdec.serving import ServerConfig
+
+    from .conftest import start_server
+
+    config = ServerConfig(
+        served_model_name=MODEL, enable_auto_tool_choice=True, tool_call_parser="hermes"
+    )
+    served = start_server(config)
+    try:
+        text = 'On it.<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+        body = {"model": MODEL, "input": QUESTION, "tools": [WEATHER], "temperature": 0,
+                "max_output_tokens": 120, "extra_body": {"guided_regex": re.escape(text)}}  # fmt: skip
+        client = served.client()
+        if stream:
+            events = list(client.responses.create(stream=True, **body))  # type: ignore[call-overload]
+            assert "response.function_call_arguments.done" in [e.type for e in events]
+            out = events[-1].response
+        else:
+            out = client.responses.create(**body)  # type: ignore[call-overload]
+        assert out.status == "completed" and [item.type for item in out.output] == [
+            "message",
+            "function_call",
+        ]
+        assert out.output[0].content[0].text == "On it."
+        assert out.output[1].name == "get_weather"
+        assert json.loads(out.output[1].arguments) == {"city": "Rome"}
+    finally:
+        served.stop()

@@ -5,15 +5,17 @@ streamed; a conversation carries the calls and their answers; what cannot be ser
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from specdec import LLM, SamplingParams
 from specdec.llm import ChatOptions
+from specdec.serving import ServerConfig
 from specdec.serving.tools import calls_schema
 from tests.tiny import byte_tokenizer, tiny_model
 
-from .conftest import MODEL
+from .conftest import MODEL, start_server
 from .test_errors import assert_error
 
 UNIT = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"]}
@@ -128,8 +130,9 @@ C = "/v1/chat/completions"
 @pytest.mark.parametrize(
     "extra, fragment, param",
     [
-        ({"tools": TOOLS}, 'tool_choice: is "auto" (the default with tools)', "tool_choice"),
-        ({"tools": TOOLS, "tool_choice": "auto"}, "needs a parser of the model's own", "tool_choice"),
+        ({"tools": TOOLS}, 'tool_choice is "auto" (the default with tools)', "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "auto"}, "--enable-auto-tool-choice", "tool_choice"),
+        ({"tools": TOOLS, "echo": True}, "cannot be combined with echo", "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice: needs tools", "tool_choice"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
          "names 'nope', which is not among the tools", "tool_choice"),
@@ -149,3 +152,71 @@ C = "/v1/chat/completions"
 def test_tool_requests_that_cannot_be_served_are_refused(served, extra, fragment, param):
     response = served.post(C, json={"messages": CHAT, "max_tokens": 2} | extra)
     assert_error(response, 400, fragment, param)
+
+
+CALL_TEXT = 'Let me look.<tool_call>{"name": "weather", "arguments": {"unit": "c"}}</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def auto_served():
+    """A server that takes tool_choice "auto", reading calls in Hermes' syntax."""
+    config = ServerConfig(
+        served_model_name=MODEL, enable_auto_tool_choice=True, tool_call_parser="hermes"
+    )
+    served = start_server(config)
+    yield served
+    served.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_reads_the_calls_the_model_writes(auto_served, stream):
+    """Under "auto" the reply is free text; the calls the model wrote in it (forced here by a
+    guide, the tiny model being random) come back as tool_calls, the text before them as content."""
+    body = {"messages": CHAT, "tools": TOOLS, "max_tokens": 120, "temperature": 0,
+            "extra_body": {"guided_regex": re.escape(CALL_TEXT)}}  # fmt: skip
+    client = auto_served.client()
+    if not stream:
+        reply = client.chat.completions.create(model=MODEL, **body).choices[0]
+        content, calls, reason = (
+            reply.message.content,
+            reply.message.tool_calls,
+            reply.finish_reason,
+        )
+    else:
+        chunks = [c.choices[0] for c in client.chat.completions.create(model=MODEL, stream=True, **body)
+                  if c.choices]  # fmt: skip
+        content = "".join(c.delta.content or "" for c in chunks)
+        calls = [t for c in chunks for t in c.delta.tool_calls or []]
+        reason = chunks[-1].finish_reason
+        assert all(c.delta.tool_calls is None for c in chunks[:-1])  # the calls come last, whole
+    assert content == "Let me look." and reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("weather", {"unit": "c"})
+    ]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_hands_back_text_that_holds_no_whole_call(auto_served, stream):
+    """A reply without calls, a call to no given tool, or a call cut short stays text."""
+    client = auto_served.client()
+    for text, max_tokens, reason in [
+        ("Sunny, I think.", 60, "stop"),
+        ('<tool_call>{"name": "nope", "arguments": {}}</tool_call>', 80, "stop"),
+        (CALL_TEXT, 30, "length"),
+    ]:
+        body = {"messages": CHAT, "tools": TOOLS, "max_tokens": max_tokens, "temperature": 0,
+                "extra_body": {"guided_regex": re.escape(text)}}  # fmt: skip
+        if not stream:
+            reply = client.chat.completions.create(model=MODEL, **body).choices[0]
+            got, got_reason = reply.message.content, reply.finish_reason
+            assert reply.message.tool_calls is None
+        else:
+            chunks = [c.choices[0] for c in client.chat.completions.create(
+                model=MODEL, stream=True, **body) if c.choices]  # fmt: skip
+            got, got_reason = (
+                "".join(c.delta.content or "" for c in chunks),
+                chunks[-1].finish_reason,
+            )
+            assert all(c.delta.tool_calls is None for c in chunks)
+        assert got_reason == reason and got.rstrip("#") == text[: len(got.rstrip("#"))]
+        assert got.rstrip("#") == text or reason == "length"
