@@ -98,16 +98,19 @@ def test_loadgen_reports_latency_figures(served, concurrency):
     assert summary["output_tokens_per_s"] > 0
 
 
-def test_closing_an_openai_stream_aborts_its_request(served):
+@pytest.mark.parametrize("api", ["completions", "responses"])
+def test_closing_an_openai_stream_aborts_its_request(served, api):
     before = scrape(served.url).get("specdec_request_finished_total{finish_reason=abort}", 0)
-    stream = served.client().completions.create(
-        model=MODEL,
-        prompt="cancel me",
-        max_tokens=400,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
-    next(iter(stream))
+    client, extra = served.client(), {"stream": True, "extra_body": {"ignore_eos": True}}
+    if api == "completions":
+        stream = client.completions.create(model=MODEL, prompt="cancel me", max_tokens=400, **extra)
+        next(iter(stream))
+    else:  # opened, and text on its way
+        stream = client.responses.create(
+            model=MODEL, input="cancel me", max_output_tokens=400, **extra
+        )
+        kinds = [next(iter(stream)).type for _ in range(5)]
+        assert kinds[-1] == "response.output_text.delta"
     stream.close()
     m = wait_until_metrics_idle(served.url)
     assert m["specdec_request_finished_total{finish_reason=abort}"] - before == 1
@@ -164,21 +167,4 @@ def test_open_loop_arrivals_reach_a_running_server(served):
     assert 0 < summary["ttft_p50_ms"] <= summary["ttft_p90_ms"] <= summary["ttft_p99_ms"]
     assert all(r.completion_tokens == 5 for r in report.records)
     assert report.duration_s >= arrivals[-1]
-    served.wait_until_idle()
-
-
-def test_closing_a_responses_stream_aborts_its_request(served):
-    before = scrape(served.url).get("specdec_request_finished_total{finish_reason=abort}", 0)
-    stream = served.client().responses.create(
-        model=MODEL,
-        input="cancel me",
-        max_output_tokens=400,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
-    kinds = [next(iter(stream)).type for _ in range(5)]  # opened, and text on its way
-    assert kinds[-1] == "response.output_text.delta"
-    stream.close()
-    m = wait_until_metrics_idle(served.url)
-    assert m["specdec_request_finished_total{finish_reason=abort}"] - before == 1
     served.wait_until_idle()
