@@ -93,10 +93,9 @@ class GuidedFields(StrictModel):
         """The guide as SamplingParams takes it: ``{"choice" | "regex" | "json_schema": ...}``
         or nothing, from whichever field gave it (validated: one at most)."""
         kind = (self.response_format or {}).get("type", "text")
-        if kind == "json_object":
-            return {"json_schema": {"type": "object"}}
-        if kind == "json_schema":
-            return {"json_schema": (self.response_format or {})["json_schema"].get("schema", {})}
+        if kind != "text":
+            spec = (self.response_format or {}).get("json_schema") or {}
+            return format_guide(kind, spec.get("schema", {}))
         structured = {k: v for k, v in (self.structured_outputs or {}).items() if v is not None}
         for field, kind, key in (
             ("guided_choice", "choice", "choice"),
@@ -121,6 +120,14 @@ class GuidedFields(StrictModel):
             return "response_format"
         given = [n for n in self.GUIDED if getattr(self, n) is not None]
         return given[0] if given else "structured_outputs"
+
+
+def format_guide(kind: str, schema: dict[str, Any] | None) -> dict[str, Any]:
+    """The guide of one of OpenAI's reply formats: "json_object" (any JSON object) or
+    "json_schema" (the documents ``schema`` accepts); "text" has none."""
+    if kind == "json_object":
+        return {"json_schema": {"type": "object"}}
+    return {"json_schema": schema} if kind == "json_schema" else {}
 
 
 def guides_given(info: ValidationInfo) -> list[str]:

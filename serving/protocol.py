@@ -24,7 +24,14 @@ from specdec.config import MAX_LOGPROBS, SamplingParams
 from specdec.llm import CHAT_TEMPLATE_ARGUMENTS, ChatOptions
 from specdec.serving.guided import GuidedFields, guides_given
 from specdec.serving.strict import StrictModel
-from specdec.serving.tools import NamedToolChoice, Tool, calls_schema, parsed_arguments
+from specdec.serving.tools import (
+    NamedToolChoice,
+    Tool,
+    ToolChoiceRules,
+    calls_schema,
+    check_tool_choice,
+    parsed_arguments,
+)
 
 MAX_N = 128  # most choices per prompt, as OpenAI allows
 _INT64 = 2**63
@@ -247,7 +254,7 @@ class ChatTemplateFields(StrictModel):
         )
 
 
-class ChatCompletionRequest(GenerationFields, ChatTemplateFields):
+class ChatCompletionRequest(GenerationFields, ChatTemplateFields, ToolChoiceRules):
     """``POST /v1/chat/completions``: reply to a conversation, through the chat template."""
 
     messages: list[ChatMessage]  # the conversation so far, at least one message
@@ -270,13 +277,8 @@ class ChatCompletionRequest(GenerationFields, ChatTemplateFields):
     @classmethod
     def _tool_choice(cls, value: Any, info: ValidationInfo) -> Any:
         names = [t.function.name for t in info.data.get("tools") or []]
-        if value not in (None, "none", "auto") and not names:
-            raise ValueError("needs tools: give the functions to call")
-        if isinstance(value, NamedToolChoice) and value.function.name not in names:
-            raise ValueError(f"names {value.function.name!r}, which is not among the tools")
-        given = guides_given(info)  # "auto" takes a guide: its parser reads what it lets through
-        if value not in (None, "none", "auto") and given:
-            raise ValueError(f"give one of {given[0]} and tool_choice, not both")
+        named = value.function.name if isinstance(value, NamedToolChoice) else None
+        check_tool_choice(value, names, named, guides_given(info))
         if names and value != "none" and info.data.get("echo"):
             raise ValueError("cannot be combined with echo: a reply of calls starts afresh")
         return value  # "auto" with tools needs the server's parser: see routes.auto_tools
@@ -288,16 +290,6 @@ class ChatCompletionRequest(GenerationFields, ChatTemplateFields):
         options = super().chat_options()
         tools = [t.model_dump(exclude_none=True) for t in self.tools or []]
         return dataclasses.replace(options, tools=tools or None)
-
-    @property
-    def calls_tools(self) -> bool:
-        """Whether the reply is function calls (tool_choice "required" or a named function)."""
-        return self.tool_choice not in (None, "none", "auto")
-
-    @property
-    def auto_tools(self) -> bool:
-        """Whether the model decides whether to call (tool_choice "auto", the default with tools)."""
-        return bool(self.tools) and self.tool_choice in (None, "auto")
 
     def tool_names(self) -> list[str]:
         return [t.function.name for t in self.tools or []]

@@ -21,10 +21,10 @@ from typing import Any, ClassVar, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from specdec.llm import ChatOptions
-from specdec.serving.guided import guides_given
+from specdec.serving.guided import format_guide, guides_given
 from specdec.serving.protocol import (
     ChatMessage,
     ChatTemplateFields,
@@ -48,7 +48,9 @@ from specdec.serving.tools import (
     FunctionName,
     NamedToolChoice,
     Tool,
+    ToolChoiceRules,
     calls_schema,
+    check_tool_choice,
 )
 
 router = APIRouter()
@@ -56,11 +58,10 @@ INPUT_ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-class TextFormat(BaseModel):
+class TextFormat(StrictModel):
     """``text.format``: ``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type":
     "json_schema", "name": ..., "schema": {...}, "strict": ...}``."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["text", "json_object", "json_schema"] = "text"
     name: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
@@ -68,8 +69,7 @@ class TextFormat(BaseModel):
     description: str | None = None
 
 
-class TextOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class TextOptions(StrictModel):
     format: TextFormat | None = None  # None: plain text
 
 
@@ -88,7 +88,7 @@ class NamedFunction(StrictModel):
     name: str
 
 
-class ResponsesRequest(GenerationFields, ChatTemplateFields):
+class ResponsesRequest(GenerationFields, ChatTemplateFields, ToolChoiceRules):
     """``POST /v1/responses``: reply to ``instructions`` and ``input``, through the chat
     template. The chat completions' sampling fields are accepted as extras."""
 
@@ -100,8 +100,8 @@ class ResponsesRequest(GenerationFields, ChatTemplateFields):
     metadata: dict[str, str] | None = None  # given back in the response
     parallel_tool_calls: bool | None = None  # given back; the calls are made as tool_choice says
     # function tools, {"type": "function", "name", "description", "parameters"}, and whether to
-    # call them: "none", "required" or {"type": "function", "name": ...} ("auto" is refused,
-    # as chat completions refuse it: see tools.py)
+    # call them: "none", "required", {"type": "function", "name": ...} or "auto" (on a server
+    # with a tool-call parser), as chat completions call them: see tools.py
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = Field(
         None,
@@ -146,28 +146,14 @@ class ResponsesRequest(GenerationFields, ChatTemplateFields):
     @classmethod
     def _tool_choice(cls, value: Any, info: ValidationInfo) -> Any:
         names = [t.name for t in info.data.get("tools") or []]
-        if value not in (None, "none", "auto") and not names:
-            raise ValueError("needs tools: give the functions to call")
-        if isinstance(value, NamedFunction) and value.name not in names:
-            raise ValueError(f"names {value.name!r}, which is not among the tools")
+        named = value.name if isinstance(value, NamedFunction) else None
         text = info.data.get("text")
         given = [*guides_given(info), *(["text.format"] if _format(text) else [])]
-        if value not in (None, "none", "auto") and given:
-            raise ValueError(f"give one of {given[0]} and tool_choice, not both")
+        check_tool_choice(value, names, named, given)
         return value
-
-    @property
-    def auto_tools(self) -> bool:
-        """Whether the model decides whether to call (tool_choice "auto", the default with tools)."""
-        return bool(self.tools) and self.tool_choice in (None, "auto")
 
     def tool_names(self) -> list[str]:
         return [t.name for t in self.tools or []]
-
-    @property
-    def calls_tools(self) -> bool:
-        """Whether the reply is function calls (tool_choice "required" or a named function)."""
-        return self.tool_choice not in (None, "none", "auto")
 
     def chat_tools(self) -> list[Tool]:
         """The tools as chat completions take them."""
@@ -198,26 +184,19 @@ class ResponsesRequest(GenerationFields, ChatTemplateFields):
     def max_tokens_param(self) -> str:
         return "max_output_tokens" if self.max_output_tokens else super().max_tokens_param
 
-    @property
-    def format_type(self) -> str:
-        """The reply's format: "text", "json_object" or "json_schema"."""
-        format = _format(self.text)
-        return "text" if format is None else format.type
-
     def guide(self) -> dict[str, Any]:
         if self.calls_tools:
             return {"json_schema": calls_schema(self.chat_tools(), self.chat_tool_choice())}
         format = _format(self.text)
-        if format is not None and format.type == "json_object":
-            return {"json_schema": {"type": "object"}}
-        if format is not None and format.type == "json_schema":
-            return {"json_schema": format.schema_}
-        return super().guide()
+        if format is None or format.type == "text":
+            return super().guide()
+        return format_guide(format.type, format.schema_)
 
     def guide_field(self) -> str:
         if self.calls_tools:
             return "tools"
-        return "text" if self.format_type != "text" else super().guide_field()
+        format = _format(self.text)
+        return "text" if format and format.type != "text" else super().guide_field()
 
     def longer_part(self) -> str:
         """The field that holds most of the prompt's text, to name when it is too long."""
@@ -242,6 +221,10 @@ def _message(item: Any) -> Any:
     text parts (input_text, output_text); an earlier ``function_call`` as an assistant's call;
     a ``function_call_output`` as the tool's answer."""
     kind = item.get("type", "message") if isinstance(item, dict) else type(item).__name__
+    fields = {"function_call": ("call_id", "name", "arguments"),
+              "function_call_output": ("call_id", "output")}.get(kind, ())  # fmt: skip
+    if not all(isinstance(item.get(f), str) for f in fields):
+        raise ValueError(f"a {kind} item needs {', '.join(fields)}, each a string")
     if kind == "function_call":
         function = {"name": item.get("name"), "arguments": item.get("arguments")}
         call = {"id": item.get("call_id"), "type": "function", "function": function}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
@@ -38,6 +38,38 @@ class FunctionName(StrictModel):
 class NamedToolChoice(StrictModel):
     type: Literal["function"]
     function: FunctionName
+
+
+class ToolChoiceRules:
+    """What ``tool_choice`` means, for a request body with ``tools`` (chat completions' and the
+    Responses API's, whose tools differ in shape only)."""
+
+    if TYPE_CHECKING:
+        tools: list[Any] | None
+        tool_choice: Any
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the reply is function calls (tool_choice "required" or a named function)."""
+        return self.tool_choice not in (None, "none", "auto")
+
+    @property
+    def auto_tools(self) -> bool:
+        """Whether the model decides whether to call (tool_choice "auto", the default with
+        tools): then the server's tool-call parser reads its calls, see tool_parsers.py."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
+
+
+def check_tool_choice(value: Any, names: list[str], named: str | None, given: list[str]) -> None:
+    """Refuse a ``tool_choice`` that cannot be served: calls without tools, a named function
+    that is not among them, or calls beside another guide (``given``: the fields that gave one).
+    "auto" takes a guide: the parser reads whatever text the guide lets through."""
+    if value not in (None, "none", "auto") and not names:
+        raise ValueError("needs tools: give the functions to call")
+    if named is not None and named not in names:
+        raise ValueError(f"names {named!r}, which is not among the tools")
+    if value not in (None, "none", "auto") and given:
+        raise ValueError(f"give one of {given[0]} and tool_choice, not both")
 
 
 def _parameters(tool: Any) -> dict[str, Any]:

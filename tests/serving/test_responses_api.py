@@ -114,6 +114,7 @@ def test_a_reply_that_ends_is_completed(served):
             {"text": {"format": {"type": "json_schema", "name": "k", "schema": OBJECT_K}}},
         ),
         ({"regex": "[ab]{3}"}, {"guided_regex": "[ab]{3}"}),  # vLLM's extras are taken too
+        ({"regex": "[ab]{3}"}, {"guided_regex": "[ab]{3}", "text": {"format": {"type": "text"}}}),
     ],
 )
 def test_formats_guide_the_reply(served, offline, guide):
@@ -168,6 +169,8 @@ def test_seeded_sampling_is_reproducible(served):
         ({"n": 2}, "n", "not supported"),
         ({"input": []}, "input", "a text or a non-empty list of messages"),
         ({"input": [{"type": "file_search_call"}]}, "input", "only message, function_call"),
+        ({"input": [{"type": "function_call", "name": "f"}]}, "input", "needs call_id, name"),
+        ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input", "call_id, output"),
         ({"input": [{"role": "tool", "content": "x"}]}, "input", "role must be one of"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
