@@ -7,6 +7,9 @@ process, on the default model, greedy, prompt processing included:
   ``generate`` on the same GPU and prompts (two questions per category of the shipped set);
 * 32 concurrent requests: the engine's throughput against one stream's;
 * float32 exactness: greedy output with prompt lookup against plain decoding, in one batch;
+* CUDA graphs (``cuda_graphs=True``): single stream with and without prompt lookup, and 32
+  concurrent requests, against the same engine run eagerly; in float32, greedy output with
+  graphs against plain eager decoding;
 * the verification kernel (row-token mode, as the engine calls it, and the ratio-test mode) for
   B = 64 sequences of k = 8 drafts over V = 49,152 tokens: its time against the bytes it must
   read, as a share of the device's copy bandwidth measured on the spot.
@@ -60,6 +63,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ("single_stream", lambda: _single_stream(plain, lookup, prompts, params, args)),
         ("concurrent_32", lambda: _concurrent(plain, prompts, params, summary)),
         ("float32_exactness", lambda: _float32_exactness(prompts[:4])),
+        ("cuda_graphs", lambda: _cuda_graphs(prompts, params, summary, args)),
         ("verification_kernel", _kernel_figures),
     ]
     failed = False
@@ -126,6 +130,46 @@ def _float32_exactness(prompts: list[list[int]]) -> dict[str, Any]:
         del llm
     same = sum(a == b for a, b in zip(*runs))
     return {"batched_lookup_equals_plain": f"{same}/{len(prompts)}"}
+
+
+def _cuda_graphs(
+    prompts: list[list[int]], params: SamplingParams, summary: dict[str, Any], args: Any
+) -> dict[str, Any]:
+    """The engine replaying CUDA graphs, against its eager figures measured above."""
+    eager = summary.get("single_stream", {}).get("tok_s", {})
+    rates: dict[str, float] = {}
+    for name, spec in (("specdec", None), ("specdec + prompt lookup", LOOKUP)):
+        llm = LLM(
+            dtype=args.dtype, device="cuda", num_kv_blocks=KV_BLOCKS, speculative=spec,
+            cuda_graphs=True,
+        )  # fmt: skip
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8))  # warm up
+        seconds, outputs = _one_at_a_time(llm, prompts, params)
+        rates[name] = sum(map(len, outputs)) / seconds
+        if spec is None:
+            concurrent = _concurrent(llm, prompts, params, {})["tok_s"]
+        graphs = llm.engine.runner.graphs
+        captured = len(graphs.graphs) if graphs is not None else 0
+        del llm, graphs
+    eager_concurrent = summary.get("concurrent_32", {}).get("tok_s")
+    exact_prompts, greedy = prompts[:4], SamplingParams(temperature=0, max_tokens=64)
+    runs = []
+    for graphed, spec in ((False, None), (True, None), (True, LOOKUP)):
+        llm = LLM(
+            dtype="float32", device="cuda", num_kv_blocks=KV_BLOCKS, speculative=spec,
+            cuda_graphs=graphed,
+        )  # fmt: skip
+        runs.append([o.token_ids for o in llm.generate(exact_prompts, greedy)])
+        del llm
+    return {
+        "tok_s": rates,
+        "vs_eager": {k: v / eager[k] for k, v in rates.items() if eager.get(k)},
+        "concurrent_32_tok_s": concurrent,
+        "concurrent_32_vs_eager": concurrent / eager_concurrent if eager_concurrent else None,
+        "graphs_captured": captured,
+        "float32_graphs_equal_eager": f"{sum(a == b for a, b in zip(runs[0], runs[1]))}/4",
+        "float32_graphs_lookup_equal_eager": f"{sum(a == b for a, b in zip(runs[0], runs[2]))}/4",
+    }
 
 
 def _one_at_a_time(

@@ -135,6 +135,19 @@ class QueryGroup:
 
 
 @dataclass(slots=True)
+class PagedBatch:
+    """A whole step of decodes and verifications for the Triton kernel, already on the device:
+    what a captured CUDA graph reads (see :mod:`specdec.cuda_graphs`). Sequences past the step's
+    real ones have no queries and no context; query rows past ``cu_query_lens[-1]`` belong to
+    no sequence (their output is undefined, and no real row reads it)."""
+
+    cu_query_lens: torch.Tensor  # [G + 1] int32 prefix sums of the queries from 0
+    seq_lens: torch.Tensor  # [G] int32 context length of each sequence (0 for padding)
+    block_tables: torch.Tensor  # [G, max_blocks] int32
+    max_query_len: int  # the kernel's tile-size hint; results do not depend on it
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Where each query token writes its K/V and which keys it may attend to."""
 
@@ -143,6 +156,9 @@ class AttentionMetadata:
     groups: list[QueryGroup]  # the sequences that read keys from the cache
     dense: bool  # one group, the whole batch in order with no padding: [N] = [G, Q]
     invariant: bool  # batch-invariant attention (see the module docstring)
+    # Set instead of groups: every query row reads the cache through the Triton kernel in one
+    # call (a graphed step; the rows are the step's tokens in order, then padding)
+    paged: PagedBatch | None = None
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor of the step's metadata, in a fixed order (see :meth:`replace_tensors`)."""
@@ -228,6 +244,12 @@ def paged_attention(
     else:
         k_flat[meta.slot_mapping] = k
         v_flat[meta.slot_mapping] = v
+    if meta.paged is not None:
+        paged = meta.paged
+        return paged_attention_triton(
+            q.contiguous(), paged.cu_query_lens, paged.seq_lens, paged.block_tables,
+            k_cache, v_cache, scale, paged.max_query_len,
+        )  # fmt: skip
 
     def attend(group: QueryGroup) -> torch.Tensor:  # [G, Q, Hq, D]
         if kernels is not None and (meta.invariant or group.query_index.shape[1] <= NARROW_QUERY):
@@ -247,7 +269,10 @@ def paged_attention(
         queries = q.contiguous() if meta.dense else q[group.valid_index]
         cu_q_lens, seq_lens, tables = group.cu_query_lens, group.seq_lens, group.block_tables
         assert cu_q_lens is not None and seq_lens is not None and tables is not None
-        return paged_attention_triton(queries, cu_q_lens, seq_lens, tables, k_cache, v_cache, scale)
+        max_q_len = group.query_index.shape[1]  # known here: the kernel need not read it back
+        return paged_attention_triton(
+            queries, cu_q_lens, seq_lens, tables, k_cache, v_cache, scale, max_q_len
+        )
 
     def use_triton(group: QueryGroup) -> bool:  # built for the kernel: see AttentionMetadata.build
         return group.block_tables is not None

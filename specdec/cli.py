@@ -66,6 +66,7 @@ def generate(
     quantization: str | None,
     batch_invariant: bool | None,
     device: str,
+    cuda_graphs: bool,
     raw: bool,
     stats: bool,
     drafter: str,
@@ -101,6 +102,7 @@ def generate(
             speculative=speculative,
             batch_invariant=batch_invariant,
             device=device,
+            cuda_graphs=cuda_graphs,
         )
         start = time.perf_counter()
         if raw:

@@ -11,7 +11,13 @@ from specdec.models.quant import QUANTIZATIONS
 
 
 def model_options(fn: Any) -> Any:
-    """``--model``, ``--dtype``, ``--device``, ``--quantization`` and ``--batch-invariant``."""
+    """``--model``, ``--dtype``, ``--device``, ``--cuda-graphs``, ``--quantization`` and
+    ``--batch-invariant``."""
+    fn = click.option(
+        "--cuda-graphs",
+        is_flag=True,
+        help="CUDA: replay decode and verification steps as captured CUDA graphs.",
+    )(fn)
     fn = click.option(
         "--device",
         default="auto",

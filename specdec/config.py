@@ -248,6 +248,8 @@ class EngineConfig:
     # CUDA: the share of the device's memory the engine may hold (weights, activations and the
     # KV pool, sized from what is left when num_kv_blocks is None), as vLLM's option
     gpu_memory_utilization: float = 0.9
+    # CUDA: decode and verification steps replay captured CUDA graphs (see specdec.cuda_graphs)
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         _check(self.block_size > 0, f"block_size must be positive, got {self.block_size}")

@@ -63,7 +63,15 @@ class Engine:
         self.max_model_len = min(max_model_len, num_blocks * config.block_size)
         self.vocab_size = model.config.vocab_size
         self.scheduler = Scheduler(config, num_blocks, self.max_model_len)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, dtype)
+        self.runner = ModelRunner(
+            model,
+            num_blocks,
+            config.block_size,
+            dtype,
+            cuda_graphs=config.cuda_graphs,
+            max_model_len=self.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+        )
         self.verifier = Verifier(select_backend(None, self.device))
         self.detokenizer = Detokenizer(tokenizer)
         self.eos_token_ids = end_of_sequence_ids(tokenizer, target)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.attention import AttentionMetadata
+from specdec.cuda_graphs import StepGraphs
 from specdec.models.llama import LlamaForCausalLM
 from specdec.outputs import TokenLogprobs
 from specdec.sampling import token_logprobs
@@ -138,10 +139,19 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         shared_caches: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
+        cuda_graphs: bool = False,
+        max_model_len: int = 0,
+        max_num_seqs: int = 0,
     ):
         """``shared_caches``: another runner's KV tensors (keys, values), for a draft model of the
         same shape that reads the target's cache instead of keeping one (see
-        drafters/draft_model.py); ``None`` allocates this runner's own."""
+        drafters/draft_model.py); ``None`` allocates this runner's own.
+
+        ``cuda_graphs``: run decode and verification steps as captured CUDA graphs (see
+        :mod:`specdec.cuda_graphs`) for contexts up to ``max_model_len`` tokens and up to
+        ``max_num_seqs`` sequences. The pool gets one block more than ``num_blocks``, the sink
+        that padding tokens write to. On the CPU (tests, with the Triton attention path) the
+        same path runs with each replay done eagerly."""
         self.model = model
         self.block_size = block_size
         self.device = model.embed_tokens.weight.device
@@ -151,13 +161,26 @@ class ModelRunner:
         self.triton_attention = (
             self.device.type == "cuda" or os.environ.get(ATTENTION_BACKEND_ENV) == "triton"
         )
+        if cuda_graphs and not self.triton_attention:
+            raise ValueError(
+                "cuda_graphs needs the CUDA path (device='cuda'): on the CPU every step already "
+                "runs as a few C++ calls"
+            )
+        if cuda_graphs and shared_caches is not None:
+            raise ValueError("cuda_graphs is for a runner with KV tensors of its own")
         cfg = model.config
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        sink_block = num_blocks  # a block past the block manager's: padding tokens' K/V go there
+        shape = (num_blocks + int(cuda_graphs), block_size, cfg.num_kv_heads, cfg.head_dim)
         if shared_caches is None:
             shared_caches = _allocate_caches(shape, dtype, 2 * cfg.num_layers, self.device)
         self.k_caches, self.v_caches = shared_caches
         for attn, k, v in zip(model.attention_layers, self.k_caches, self.v_caches):
             attn.k_cache, attn.v_cache = k, v
+        self.graphs = (
+            StepGraphs(model, block_size, sink_block, max_model_len, max_num_seqs)
+            if cuda_graphs
+            else None
+        )
 
     def run(self, out: SchedulerOutput, keep_token_hidden_states: bool = False) -> StepResult:
         """One target forward over every scheduled sequence's query tokens; with
@@ -210,7 +233,11 @@ class ModelRunner:
         at those rows [M, H] and at every token fed [N, H].
 
         ``M`` is the sum of the chunks' ``num_logit_rows``: each chunk's last rows, in order.
+        Decodes and verifications replay a CUDA graph where the runner has them.
         """
+        if self.graphs is not None and self.graphs.takes(chunks):
+            logits, hidden = self.graphs.run(chunks, self.staging)
+            return logits, hidden, hidden  # every token is a logit row
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

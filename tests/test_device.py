@@ -80,13 +80,15 @@ def test_the_engine_verifies_with_the_kernel_where_asked(make_llm, monkeypatch) 
 
 def test_triton_paged_attention_in_the_engine(make_llm, monkeypatch) -> None:
     """Decodes and verifications through the Triton kernel beside SDPA prompts, chunked
-    prefill and a prefix-cache hit: greedy output still that of transformers."""
+    prefill and a prefix-cache hit: greedy output still that of transformers. Every call is
+    told the longest query, so that no layer reads it back from the device (a sync)."""
     import specdec.attention
 
     calls = []
     kernel = specdec.attention.paged_attention_triton
 
     def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        assert isinstance(args[7], int)  # max_q_len
         calls.append(args[0].shape[0])
         return kernel(*args, **kwargs)
 

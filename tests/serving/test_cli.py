@@ -57,6 +57,7 @@ def test_serve_binds_loopback_and_takes_the_api_key_from_the_environment(capture
             "quantization": "int4",
             "batch_invariant": False,
             "device": "cpu",
+            "cuda_graphs": False,
             "max_num_seqs": 8,
             "max_model_len": None,
             "kv_cache_memory_gb": 1.0,
@@ -68,6 +69,12 @@ def test_serve_binds_loopback_and_takes_the_api_key_from_the_environment(capture
         assert client.get("/v1/models").status_code == 401
         models = client.get("/v1/models", headers={"Authorization": "Bearer k3y"})
         assert models.json()["data"][0]["id"] == MODEL
+
+
+def test_serve_passes_cuda_graphs_on(captured_run):
+    result = CliRunner().invoke(cli.serve, ["--device", "cuda", "--cuda-graphs"])
+    assert result.exit_code == 0, result.output
+    assert captured_run["llm"][1]["cuda_graphs"] is True
 
 
 def test_serve_passes_the_draft_quantization_on(captured_run):
