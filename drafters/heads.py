@@ -121,6 +121,23 @@ def load_for_target(
     return module, DraftVocabHead(model, weights["draft_vocab"])
 
 
+def start_from_heads(
+    module: torch.nn.Module, directory: str | os.PathLike, kind: str, target: ModelArchConfig
+) -> None:
+    """Load the ``kind`` heads saved in ``directory`` into ``module``, to train on from there;
+    heads made for another target, or of another shape, are refused."""
+    config, weights = load_heads(directory, kind, torch.float32)
+    config.check_target(target)
+    try:
+        module.load_state_dict({n: t for n, t in weights.items() if n != "draft_vocab"})
+    except RuntimeError as error:
+        first = str(error).splitlines()[1:2] or [str(error)]
+        raise ValueError(
+            f"the {kind} heads in {directory} do not fit this run ({first[0].strip()}); "
+            "start them from scratch, or give the options they were trained with"
+        ) from None
+
+
 def default_heads(kind: str) -> Path:
     """The shipped heads of ``kind`` for the default model."""
     return DEFAULT_HEADS_DIR / kind

@@ -18,6 +18,9 @@
    the *training-time test* of EAGLE-3, Li et al. 2025, in its simplest form), the same loss
    again, since every draft after the first is made from its own features.
 
+``init_from`` starts from heads trained before (a fine-tune on another corpus, for instance
+the target's sampled answers), checked against the target as a drafter's heads are.
+
 Checkpoints (heads and optimizer state as safetensors, the step in ``state.json``) are written
 every ``--save-every`` steps under ``OUT/checkpoints``; a rerun resumes from the latest. The
 finished heads go to ``OUT`` (drafters/heads.py's format). A loss and accuracy log is
@@ -41,7 +44,13 @@ from torch import nn
 from specdec.config import SamplingParams
 from specdec.drafters.checkpoints import resume, save_checkpoint
 from specdec.drafters.eagle import EagleHead
-from specdec.drafters.heads import HeadsConfig, draft_vocabulary, output_rows, save_heads
+from specdec.drafters.heads import (
+    HeadsConfig,
+    draft_vocabulary,
+    output_rows,
+    save_heads,
+    start_from_heads,
+)
 from specdec.drafters.medusa import MedusaHeads
 from specdec.runner import QueryChunk
 
@@ -67,6 +76,7 @@ class TrainConfig:
     draft_vocab_size: int = 8192
     num_heads: int = 4  # medusa's heads
     temperature: float = 0.0  # of the corpus' responses (0: the target's greedy answers)
+    init_from: str | os.PathLike | None = None  # heads to start from, unless a checkpoint resumes
     save_every: int = 250
     held_out: int = 16  # sequences kept out of training, for the accuracy log
     seed: int = 0
@@ -326,6 +336,8 @@ def train(cfg: TrainConfig, llm: Any = None) -> Path:
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.precision())
     optimizer = torch.optim.AdamW(trainer.module.parameters(), lr=cfg.lr, weight_decay=0.0)
     step = resume(out / "checkpoints", trainer.module, optimizer)
+    if step == 0 and cfg.init_from is not None:
+        start_from_heads(trainer.module, cfg.init_from, cfg.kind, target.config)
     module, optimizer = accelerator.prepare(trainer.module, optimizer)
     rng = random.Random(cfg.seed)
     schedule: list[list[int]] = []

@@ -182,6 +182,18 @@ def spec_summary(llm: Any) -> str:
     help="Keep the prompts left over past --max-train-tokens, without a response.",
 )
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option(
+    "--temperature",
+    default=0.0,
+    show_default=True,
+    type=float,
+    help="Of the target's answers (0: greedy); sampled answers are more distinct text.",
+)
+@click.option(
+    "--init-from",
+    default=None,
+    help="Heads to start from (e.g. the shipped ones, to train on further), unless resuming.",
+)
 @click.option("--batch-tokens", default=4096, show_default=True, type=int)
 @click.option("--lr", default=1e-3, show_default=True, type=float)
 @click.option("--draft-vocab-size", default=8192, show_default=True, type=int)

@@ -232,6 +232,25 @@ def test_sampled_continuations_follow_the_plain_law(make_llm, trained, kind):
     assert Counter(a) != Counter(b)  # two independent runs, not one replayed
 
 
+def test_training_can_start_from_trained_heads(make_llm, tmp_path, trained, prompts_file):
+    """init_from: the run starts from the given heads (at a learning rate of 0 it ends there
+    too); heads of another kind or shape are refused."""
+    llm = make_llm()
+    corpus = (trained["eagle"] / "corpus.json").read_text()
+    options = dict(max_steps=1, save_every=1, lr=0.0, init_from=trained["eagle"])
+    (tmp_path / "again").mkdir()
+    (tmp_path / "again" / "corpus.json").write_text(corpus)
+    again = train(tiny_config("eagle", tmp_path / "again", prompts_file, **options), llm)
+    a, b = load_file(str(trained["eagle"] / WEIGHTS_FILE)), load_file(str(again / WEIGHTS_FILE))
+    for name in a.keys() - {"draft_vocab"}:
+        assert torch.equal(a[name], b[name]), name
+    with pytest.raises(ValueError, match="holds eagle heads, not medusa heads"):
+        train(tiny_config("medusa", tmp_path / "kind", prompts_file, **options), llm)
+    options["init_from"] = trained["medusa"]
+    with pytest.raises(ValueError, match="medusa heads in .* do not fit this run"):
+        train(tiny_config("medusa", tmp_path / "shape", prompts_file, num_heads=2, **options), llm)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_heads_for_another_model_are_refused(make_llm, trained, kind):
     with pytest.raises(ValueError, match="built for a model with hidden size 64"):
