@@ -4,10 +4,10 @@ A text reply is one ``message`` item holding one ``output_text`` part, streamed 
 generated. A reply of function calls (``tool_choice`` "required" or a named function) is one
 ``function_call`` item per call, sent whole once the reply has ended: the text of a
 "required" reply is a JSON array that is parsed only when complete. Under
-``tool_choice: "auto"`` the parser of the server's ``tool_call_parser`` finds the calls in the
-finished reply (any text before them becomes a message item first), so such a reply is sent
-whole at its end too. Cut short by ``max_output_tokens``, a reply of calls stays text, as chat
-completions leave it.
+``tool_choice: "auto"`` the parser of the server's ``tool_call_parser`` finds the calls: a
+stream sends the text the parser lets through as it comes (the message item opens with its
+first text), and the calls, each a ``function_call`` item, whole at the end. Cut short by
+``max_output_tokens``, a reply of calls stays text, as chat completions leave it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict
 
 from specdec.serving.generation import Generation
 from specdec.serving.responses import new_id, now_s
-from specdec.serving.tool_parsers import parse_hermes
+from specdec.serving.tool_parsers import HermesStream, ParsedReply, parse_hermes
 from specdec.serving.tools import tool_calls_of
 
 if TYPE_CHECKING:
@@ -102,6 +102,8 @@ class Reply:
         self.body, self.model, self.generation = body, model, generation
         self.auto_tools = auto_tools
         self.id, self.message_id, self.created_at = new_id("resp"), new_id("msg"), now_s()
+        # "auto", streamed: the text sent and the calls the stream's parser found
+        self.streamed: ParsedReply | None = None
 
     def response(self, finished: bool) -> ResponseObject:
         """The body: in progress with no output, or finished with its items and usage."""
@@ -146,7 +148,7 @@ class Reply:
         if self.body.calls_tools and choice.finish_reason == "stop":
             calls = tool_calls_of(choice.text, self.body.chat_tool_choice())
         elif self.auto_tools is not None and choice.finish_reason == "stop":
-            parsed = parse_hermes(choice.text, self.auto_tools)
+            parsed = self.streamed or parse_hermes(choice.text, self.auto_tools)
             calls, said = parsed.tool_calls or None, parsed.content
         if calls is None:
             return [self.message(choice.text, status)]
@@ -191,16 +193,27 @@ async def events(reply: Reply) -> AsyncIterator[Event]:
     started = reply.response(finished=False)
     yield event("created", response=started)
     yield event("in_progress", response=started)
-    streamed = not reply.body.calls_tools and reply.auto_tools is None  # else held to the end
+    live = not reply.body.calls_tools  # text goes out as it comes; calls whole at the end
+    auto = HermesStream(reply.auto_tools) if reply.auto_tools is not None else None
     where = {"item_id": reply.message_id, "output_index": 0, "content_index": 0}
-    if streamed:
-        yield event("output_item.added", output_index=0, item=reply.message("", "in_progress"))
-        yield event("content_part.added", **where, part=OutputText(text=""))
+    message_open = False  # at once for plain text, with its first text under "auto"
+    said = ""
     async for _, delta in reply.generation.deltas():
-        if delta.text and streamed:
-            yield event("output_text.delta", **where, delta=delta.text, logprobs=[])
+        text = delta.text if auto is None else _let_through(auto, delta)
+        if not live or not (text or auto is None):
+            continue
+        if not message_open:
+            message_open = True
+            yield event("output_item.added", output_index=0, item=reply.message("", "in_progress"))
+            yield event("content_part.added", **where, part=OutputText(text=""))
+        if text:
+            said += text
+            yield event("output_text.delta", **where, delta=text, logprobs=[])
+    if auto is not None and auto.calls:
+        reply.streamed = ParsedReply(said or None, auto.calls)
     done = reply.response(finished=True)
     for index, item in enumerate(done.output):
+        streamed = message_open and isinstance(item, OutputMessage)  # its text went out already
         if not streamed:  # the item opens now, and its content comes whole
             opened = item.model_copy(update={"status": "in_progress"})
             if isinstance(item, FunctionCallItem):
@@ -221,3 +234,15 @@ async def events(reply: Reply) -> AsyncIterator[Event]:
             yield event("content_part.done", **where, part=OutputText(text=text))
         yield event("output_item.done", output_index=index, item=item)
     yield event("completed" if done.status == "completed" else "incomplete", response=done)
+
+
+def _let_through(stream: HermesStream, delta: Any) -> str:
+    """Under "auto": the text the parser lets through for ``delta``; at the end, what it held
+    back (the text before the calls, or all of it where no call parses or the reply was cut
+    short). The calls it found are then ``stream.calls``."""
+    text = stream.feed(delta.text)
+    if not delta.finished:
+        return text
+    if delta.finish_reason != "stop":
+        return text + stream.flush()
+    return text + (stream.finish().content or "")

@@ -10,7 +10,9 @@ A reply is taken as calls only when every block parses and names one of the requ
 otherwise it is handed back as the text it is, so nothing the model wrote is lost. A stream
 passes text through until a call may be starting (a prefix of ``<tool_call>`` is held back
 until the next delta shows what it is), then holds the rest and parses it once the reply ends:
-its calls arrive whole in the last chunk, as "required" calls do.
+its calls arrive whole in the last chunk, as "required" calls do. Whitespace is held back
+until text follows it, so that a stream's content is the text before the calls without the
+whitespace that separates them, as a whole reply's is.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class HermesStream:
         self.text = ""  # the reply so far
         self.sent = 0  # characters of it sent as content
         self.held = False  # a call has started: nothing more is sent until the end
+        self.calls: list[ToolCall] = []  # what finish() found
 
     def feed(self, delta: str) -> str:
         """The content to send for ``delta``: text up to a possible start of a call."""
@@ -79,14 +82,16 @@ class HermesStream:
         start = self.text.find(HERMES_START, self.sent)
         if start >= 0:
             self.held = True
-            return self._send(start)
-        return self._send(len(self.text) - _partial_start(self.text))
+            return self._send(_text_end(self.text, start))
+        # whitespace waits for what follows: before a call it is not content
+        return self._send(_text_end(self.text, len(self.text) - _partial_start(self.text)))
 
     def finish(self) -> ParsedReply:
         """At the end: the calls, and any text not yet sent (all of it, if no call parses)."""
         parsed = parse_hermes(self.text, self.tool_names)
         if not parsed.tool_calls:
             return ParsedReply(self._send(len(self.text)) or None)
+        self.calls = parsed.tool_calls
         content = self._send(self.text.find(HERMES_START)).strip()
         return ParsedReply(content or None, parsed.tool_calls)
 
@@ -97,6 +102,11 @@ class HermesStream:
     def _send(self, end: int) -> str:
         out, self.sent = self.text[self.sent : end], max(self.sent, end)
         return out
+
+
+def _text_end(text: str, end: int) -> int:
+    """Where ``text[:end]`` ends without its trailing whitespace."""
+    return len(text[:end].rstrip())
 
 
 def _partial_start(text: str) -> int:

@@ -313,7 +313,14 @@ def test_auto_reads_the_calls_the_model_writes(stream):
         client = served.client()
         if stream:
             events = list(client.responses.create(stream=True, **body))  # type: ignore[call-overload]
-            assert "response.function_call_arguments.done" in [e.type for e in events]
+            kinds = [e.type for e in events]
+            assert "response.function_call_arguments.done" in kinds
+            # the text went out as it came, before the calls were known
+            deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+            assert len(deltas) > 1 and "".join(deltas) == "On it."
+            assert kinds.index("response.output_text.delta") < kinds.index(
+                "response.function_call_arguments.delta"
+            )
             out = events[-1].response
         else:
             out = client.responses.create(**body)  # type: ignore[call-overload]
