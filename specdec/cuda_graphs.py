@@ -18,8 +18,9 @@ set of static buffers, which each step overwrites:
   no queries and no context, so the kernel does nothing for them.
 
 Padding rows compute garbage that no real row reads: linears, norms and activations work row by
-row, and attention reads only the cache. Outputs are copied out of the graph's buffers before
-the next replay can overwrite them.
+row, and attention reads only the cache. The hidden states are copied out of the graph's
+buffers before the next replay can overwrite them; the output layer runs after the graph, on the
+real rows only.
 
 Steps a graph does not take run eagerly: prompt chunks (wider queries, SDPA), steps wanting
 prompt logprobs, and steps beyond the largest bucket.
@@ -41,14 +42,12 @@ if TYPE_CHECKING:
 
 MAX_GRAPH_TOKENS = 512  # the largest token bucket (vLLM's default largest graph is 512 too)
 
-StepOutputs = tuple[torch.Tensor, torch.Tensor]  # logits [T, V] float32, hidden [T, H]
-
 
 class Graph(Protocol):
-    """A recorded forward: :meth:`capture` records ``fn`` and returns its output tensors, which
+    """A recorded forward: :meth:`capture` records ``fn`` and returns its output tensor, which
     every :meth:`replay` rewrites in place from the static inputs' current values."""
 
-    def capture(self, fn: Callable[[], StepOutputs]) -> StepOutputs: ...
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor: ...
 
     def replay(self) -> None: ...
 
@@ -61,15 +60,15 @@ class CudaGraph:
         self.pool = pool
         self.graph = torch.cuda.CUDAGraph()
 
-    def capture(self, fn: Callable[[], StepOutputs]) -> StepOutputs:
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             fn()
         torch.cuda.current_stream().wait_stream(side)
         with torch.cuda.graph(self.graph, pool=self.pool):
-            outputs = fn()
-        return outputs
+            output = fn()
+        return output
 
     def replay(self) -> None:
         self.graph.replay()
@@ -77,21 +76,20 @@ class CudaGraph:
 
 class EagerGraph:
     """The same contract without CUDA: each replay runs ``fn`` again and copies its results into
-    the captured outputs. The CPU tests run the whole graph path (buckets, static buffers,
+    the captured output. The CPU tests run the whole graph path (buckets, static buffers,
     padding, the sink block) through it; only the recording itself needs a GPU."""
 
     def __init__(self) -> None:
-        self.fn: Callable[[], StepOutputs] | None = None
-        self.outputs: StepOutputs | None = None
+        self.fn: Callable[[], torch.Tensor] | None = None
+        self.output: torch.Tensor | None = None
 
-    def capture(self, fn: Callable[[], StepOutputs]) -> StepOutputs:
-        self.fn, self.outputs = fn, fn()
-        return self.outputs
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        self.fn, self.output = fn, fn()
+        return self.output
 
     def replay(self) -> None:
-        assert self.fn is not None and self.outputs is not None
-        for static, fresh in zip(self.outputs, self.fn()):
-            static.copy_(fresh)
+        assert self.fn is not None and self.output is not None
+        self.output.copy_(self.fn())
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +130,7 @@ class StepGraphs:
             self.max_seqs, self.max_blocks, dtype=torch.int32, device=device
         )
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
-        self.graphs: dict[GraphKey, tuple[Graph, StepOutputs]] = {}
+        self.graphs: dict[GraphKey, tuple[Graph, torch.Tensor]] = {}
 
     def takes(self, chunks: list[QueryChunk]) -> bool:
         """Whether a graph can run this step: decodes and verifications only (each sequence
@@ -150,9 +148,11 @@ class StepGraphs:
             total += n
         return total <= self.max_tokens
 
-    def run(self, chunks: list[QueryChunk], staging: HostStaging) -> StepOutputs:
-        """Logits [T, V] float32 and hidden states [T, H] at every query token of ``chunks``
-        (a step :meth:`takes`), by replaying the graph of its bucket."""
+    def run(self, chunks: list[QueryChunk], staging: HostStaging) -> torch.Tensor:
+        """The final hidden states [T, H] at every query token of ``chunks`` (a step
+        :meth:`takes`), by replaying the graph of its bucket. Logits are left to the caller: a
+        graph holding ``[T, V]`` float32 outputs for each bucket would take 100 MB for 512
+        tokens of the default model, and the output layer is one launch."""
         num_tokens = sum(len(c.token_ids) for c in chunks)
         key = GraphKey(
             bucket(len(chunks), self.max_seqs),
@@ -163,9 +163,9 @@ class StepGraphs:
         if key not in self.graphs:
             new: Graph = EagerGraph() if self.pool is None else CudaGraph(self.pool)
             self.graphs[key] = new, new.capture(self._forward_fn(key))
-        graph, (logits, hidden) = self.graphs[key]
+        graph, hidden = self.graphs[key]
         graph.replay()
-        return logits[:num_tokens].clone(), hidden[:num_tokens].clone()
+        return hidden[:num_tokens].clone()
 
     def _write_inputs(self, chunks: list[QueryChunk], key: GraphKey, staging: HostStaging) -> None:
         """This step's inputs, padded to ``key``, into the static buffers."""
@@ -207,7 +207,7 @@ class StepGraphs:
         self.seq_lens[: key.num_seqs].copy_(lens)
         self.block_tables[: len(chunks), :width].copy_(table)  # the kernel reads no further
 
-    def _forward_fn(self, key: GraphKey) -> Callable[[], StepOutputs]:
+    def _forward_fn(self, key: GraphKey) -> Callable[[], torch.Tensor]:
         """The forward a graph records: the model over the first ``key`` entries of the buffers."""
         tokens = self.tokens[:, : key.num_tokens]
         paged = PagedBatch(
@@ -218,8 +218,4 @@ class StepGraphs:
         )
         meta = AttentionMetadata(tokens[2], [], [], dense=True, invariant=False, paged=paged)
 
-        def forward() -> StepOutputs:
-            hidden = self.model(tokens[0], tokens[1], meta)
-            return self.model.compute_logits(hidden).float(), hidden
-
-        return forward
+        return lambda: self.model(tokens[0], tokens[1], meta)

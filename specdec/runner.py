@@ -236,8 +236,8 @@ class ModelRunner:
         Decodes and verifications replay a CUDA graph where the runner has them.
         """
         if self.graphs is not None and self.graphs.takes(chunks):
-            logits, hidden = self.graphs.run(chunks, self.staging)
-            return logits, hidden, hidden  # every token is a logit row
+            hidden = self.graphs.run(chunks, self.staging)  # every token is a logit row
+            return self.model.compute_logits(hidden).float(), hidden, hidden
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
