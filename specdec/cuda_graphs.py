@@ -143,7 +143,7 @@ class StepGraphs:
             n = len(c.token_ids)
             if not (c.start > 0 and 0 < n <= NARROW_QUERY and c.num_logit_rows == n):
                 return False
-            if -(-(c.start + n) // self.block_size) > self.max_blocks:
+            if -(-c.end // self.block_size) > self.max_blocks:
                 return False
             total += n
         return total <= self.max_tokens
@@ -176,12 +176,11 @@ class StepGraphs:
         seq_lens = []
         bs = self.block_size
         for c in chunks:
-            end = c.start + len(c.token_ids)
             ids += c.token_ids
-            positions += range(c.start, end)
-            slots += [c.block_table[p // bs] * bs + p % bs for p in range(c.start, end)]
+            positions += range(c.start, c.end)
+            slots += c.slots(bs)
             cu_query_lens.append(len(ids))
-            seq_lens.append(end)
+            seq_lens.append(c.end)
         pad_tokens = key.num_tokens - len(ids)
         ids += [0] * pad_tokens
         positions += [0] * pad_tokens

@@ -54,6 +54,19 @@ class QueryChunk:
     block_table: list[int]  # KV block ids covering every position fed
     num_logit_rows: int = 0  # logits wanted for this many last tokens
 
+    @property
+    def end(self) -> int:
+        """The position after the last token fed."""
+        return self.start + len(self.token_ids)
+
+    def slots(self, block_size: int) -> list[int]:
+        """The KV cache slot of each token fed (block id * block size + offset)."""
+        table = self.block_table
+        return [
+            table[p // block_size] * block_size + p % block_size
+            for p in range(self.start, self.end)
+        ]
+
 
 def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one KV block across all layers (keys and values)."""
@@ -244,15 +257,14 @@ class ModelRunner:
         logit_rows: list[int] = []  # flat index of each row that needs logits
         bs = self.block_size
         for c in chunks:
-            end = c.start + len(c.token_ids)
             input_ids += c.token_ids
-            positions += range(c.start, end)
-            slots += [c.block_table[p // bs] * bs + p % bs for p in range(c.start, end)]
+            positions += range(c.start, c.end)
+            slots += c.slots(bs)
             logit_rows += range(len(input_ids) - c.num_logit_rows, len(input_ids))
         step = torch.tensor([input_ids, positions, slots], dtype=torch.long)  # [3, N]
         meta = AttentionMetadata.build(
             [len(c.token_ids) for c in chunks],
-            [c.start + len(c.token_ids) for c in chunks],
+            [c.end for c in chunks],
             [c.block_table for c in chunks],
             step[2],
             bs,
