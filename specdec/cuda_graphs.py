@@ -22,8 +22,9 @@ row, and attention reads only the cache. The hidden states are copied out of the
 buffers before the next replay can overwrite them; the output layer runs after the graph, on the
 real rows only.
 
-Steps a graph does not take run eagerly: prompt chunks (wider queries, SDPA), steps wanting
-prompt logprobs, and steps beyond the largest bucket.
+Steps a graph does not take run eagerly: prompt chunks (wider queries, SDPA) and steps beyond
+the largest bucket. Should a capture fail, the runner logs why and runs every step eagerly from
+then on: slower, never wrong.
 """
 
 from __future__ import annotations
@@ -90,6 +91,10 @@ class EagerGraph:
     def replay(self) -> None:
         assert self.fn is not None and self.output is not None
         self.output.copy_(self.fn())
+
+
+class CaptureError(RuntimeError):
+    """A step's forward could not be recorded; the runner goes on without graphs."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +167,10 @@ class StepGraphs:
         self._write_inputs(chunks, key, staging)
         if key not in self.graphs:
             new: Graph = EagerGraph() if self.pool is None else CudaGraph(self.pool)
-            self.graphs[key] = new, new.capture(self._forward_fn(key))
+            try:
+                self.graphs[key] = new, new.capture(self._forward_fn(key))
+            except RuntimeError as error:  # e.g. an op that waits on the device, not capturable
+                raise CaptureError(f"capturing the graph of {key} failed: {error}") from error
         graph, hidden = self.graphs[key]
         graph.replay()
         return hidden[:num_tokens].clone()

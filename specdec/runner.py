@@ -10,6 +10,7 @@ or verified.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import mmap
 import os
@@ -18,11 +19,13 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.attention import AttentionMetadata
-from specdec.cuda_graphs import StepGraphs
+from specdec.cuda_graphs import CaptureError, StepGraphs
 from specdec.models.llama import LlamaForCausalLM
 from specdec.outputs import TokenLogprobs
 from specdec.sampling import token_logprobs
 from specdec.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 ATTENTION_BACKEND_ENV = "SPECDEC_ATTENTION_BACKEND"  # "triton": the CUDA path on the CPU, for tests
 PROMPT_LOGPROB_ROWS = 256  # prompt rows given logits at once ([256, V] float32: 50 MB at V=49k)
@@ -249,8 +252,13 @@ class ModelRunner:
         Decodes and verifications replay a CUDA graph where the runner has them.
         """
         if self.graphs is not None and self.graphs.takes(chunks):
-            hidden = self.graphs.run(chunks, self.staging)  # every token is a logit row
-            return self.model.compute_logits(hidden).float(), hidden, hidden
+            try:
+                hidden = self.graphs.run(chunks, self.staging)  # every token is a logit row
+            except CaptureError as error:
+                logger.warning("%s; running without CUDA graphs from now on", error)
+                self.graphs = None
+            else:
+                return self.model.compute_logits(hidden).float(), hidden, hidden
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

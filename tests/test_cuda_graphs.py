@@ -125,3 +125,26 @@ def test_graphs_are_refused_off_the_cuda_path(make_llm, monkeypatch) -> None:
         pytest.skip("the CUDA path is the default here")
     with pytest.raises(ValueError, match="cuda_graphs needs the CUDA path"):
         make_llm(cuda_graphs=True)
+
+
+def test_a_failed_capture_falls_back_to_eager_steps(make_llm, monkeypatch, caplog) -> None:
+    """A forward that cannot be recorded (on a GPU: an op that waits on the device) costs the
+    graphs, never the request: a warning, then eager steps with the same tokens."""
+
+    def refuse(self, fn):  # noqa: ANN001, ANN202
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm = make_llm(block_size=4, cuda_graphs=True)
+    monkeypatch.setattr(EagerGraph, "capture", refuse)
+    if DEVICE == "cuda":
+        from specdec.cuda_graphs import CudaGraph
+
+        monkeypatch.setattr(CudaGraph, "capture", refuse)
+    with caplog.at_level("WARNING", logger="specdec.runner"):
+        outputs = llm.generate(PROMPTS, greedy)
+    for prompt, out in zip(PROMPTS, outputs):
+        assert out.token_ids == hf_greedy(llm.hf_model, prompt, 12)
+    assert llm.engine.runner.graphs is None
+    assert "not permitted when stream is capturing" in caplog.text
+    assert "running without CUDA graphs from now on" in caplog.text
