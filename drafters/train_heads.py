@@ -1,6 +1,6 @@
 """``specdec train-heads``: Medusa or EAGLE heads for a target, by self-distillation.
 
-1. *Corpus.* Our own engine answers the training prompts (a JSONL file read through
+1. *Corpus* (:mod:`specdec.drafters.corpus`). Our own engine answers the training prompts (a JSONL file read through
    ``datasets``; by default ``eval/prompts/train_heads.jsonl``, kept apart from every evaluation
    set) with continuous batching, so the heads learn the target's own outputs, until
    ``max_train_tokens``; the prompts left over join the corpus unanswered (their prefill is
@@ -41,8 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.config import SamplingParams
 from specdec.drafters.checkpoints import resume, save_checkpoint
+from specdec.drafters.corpus import DEFAULT_DATA, load_or_generate_corpus
 from specdec.drafters.eagle import EagleHead
 from specdec.drafters.heads import (
     HeadsConfig,
@@ -54,7 +54,6 @@ from specdec.drafters.heads import (
 from specdec.drafters.medusa import MedusaHeads
 from specdec.runner import QueryChunk
 
-DEFAULT_DATA = Path(__file__).resolve().parent.parent / "eval" / "prompts" / "train_heads.jsonl"
 KINDS = ("medusa", "eagle")
 
 
@@ -105,49 +104,6 @@ class TrainConfig:
             return "bf16" if torch.cuda.is_bf16_supported() else "no"
         native = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
         return "bf16" if native else "no"
-
-
-def read_prompts(path: str | os.PathLike) -> list[list[dict[str, str]]]:
-    """The conversations of a JSONL prompt file, read through ``datasets``."""
-    from datasets import load_dataset
-
-    if not Path(path).is_file():
-        raise ValueError(f"no training prompts at {path}")
-    rows = load_dataset("json", data_files=str(path), split="train")
-    conversations = []
-    for row in rows:
-        if row.get("messages"):
-            conversations.append(row["messages"])
-        elif row.get("prompt"):
-            conversations.append([{"role": "user", "content": row["prompt"]}])
-        else:
-            raise ValueError(f"{path}: a record needs 'prompt' or 'messages'")
-    return conversations
-
-
-def generate_corpus(llm: Any, cfg: TrainConfig) -> list[list[int]]:
-    """Prompt + response token ids from the target itself, until ``max_train_tokens``."""
-    conversations = read_prompts(cfg.data)
-    random.Random(cfg.seed).shuffle(conversations)
-    corpus: list[list[int]] = []
-    total, batch = 0, 64
-    for start in range(0, len(conversations), batch):
-        prompts = [llm.apply_chat_template(c) for c in conversations[start : start + batch]]
-        params = [
-            SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens, seed=i)
-            for i in range(start, start + len(prompts))
-        ]
-        for out in llm.generate(prompts, params):
-            corpus.append(out.prompt_token_ids + out.token_ids)
-            total += len(corpus[-1])
-        print(f"corpus: {len(corpus)} sequences, {total} tokens", flush=True)
-        if total >= cfg.max_train_tokens:
-            if cfg.unanswered:
-                rest = conversations[start + batch :]
-                corpus += [llm.apply_chat_template(c) for c in rest]
-                print(f"corpus: {len(rest)} prompts more, unanswered", flush=True)
-            break
-    return corpus
 
 
 def target_features(
@@ -322,7 +278,7 @@ def train(cfg: TrainConfig, llm: Any = None) -> Path:
     torch.manual_seed(cfg.seed)
     llm = llm or LLM(cfg.model, dtype=cfg.dtype)
     target = llm.engine.runner.model
-    corpus = _load_or_generate_corpus(llm, cfg, out / "corpus.json")
+    corpus = load_or_generate_corpus(llm, cfg, out / "corpus.json")
     held_out, train_set = corpus[: cfg.held_out], corpus[cfg.held_out :]
     if not train_set:
         raise ValueError(
@@ -415,11 +371,3 @@ def evaluate(
             correct[j], counted[j] = correct[j] + c, counted[j] + n
     accuracy = [round(c / max(1, n), 4) for c, n in zip(correct, counted)]
     return round(total / max(1, len(corpus)), 5), accuracy
-
-
-def _load_or_generate_corpus(llm: Any, cfg: TrainConfig, path: Path) -> list[list[int]]:
-    if path.is_file():
-        return json.loads(path.read_text(encoding="utf-8"))
-    corpus = generate_corpus(llm, cfg)
-    path.write_text(json.dumps(corpus), encoding="utf-8")
-    return corpus

@@ -138,6 +138,7 @@ def _cuda_graphs(
     """The engine replaying CUDA graphs, against its eager figures measured above."""
     eager = summary.get("single_stream", {}).get("tok_s", {})
     rates: dict[str, float] = {}
+    concurrent, captured = 0.0, 0
     for name, spec in (("specdec", None), ("specdec + prompt lookup", LOOKUP)):
         llm = LLM(
             dtype=args.dtype, device="cuda", num_kv_blocks=KV_BLOCKS, speculative=spec,

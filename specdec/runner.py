@@ -182,8 +182,11 @@ class ModelRunner:
                 "cuda_graphs needs the CUDA path (device='cuda'): on the CPU every step already "
                 "runs as a few C++ calls"
             )
-        if cuda_graphs and shared_caches is not None:
-            raise ValueError("cuda_graphs is for a runner with KV tensors of its own")
+        if cuda_graphs and (shared_caches is not None or min(max_model_len, max_num_seqs) < 1):
+            raise ValueError(
+                "cuda_graphs is for a runner with KV tensors of its own, sized by max_model_len "
+                "and max_num_seqs"
+            )
         cfg = model.config
         sink_block = num_blocks  # a block past the block manager's: padding tokens' K/V go there
         shape = (num_blocks + int(cuda_graphs), block_size, cfg.num_kv_heads, cfg.head_dim)

@@ -246,7 +246,7 @@ def word_runs(text: str, n: int = 8) -> set[tuple[str, ...]]:
 
 
 def test_no_training_prompt_shares_an_8_word_run_with_a_benchmark_question():
-    from specdec.drafters.train_heads import DEFAULT_DATA, read_prompts
+    from specdec.drafters.corpus import DEFAULT_DATA, read_prompts
 
     seen = set()
     for conversation in read_prompts(DEFAULT_DATA):
