@@ -2,8 +2,9 @@
 
 Our engine answers the training prompts (a JSONL file read through ``datasets``; by default
 ``eval/prompts/train_heads.jsonl``, kept apart from every evaluation set) with continuous
-batching until ``max_train_tokens``; the prompts left over join the corpus unanswered. The token
-ids are saved in the run's directory and reused on resume.
+batching until ``max_train_tokens``; the prompts left over join the corpus unanswered. With
+``self_prompts`` the target also writes prompts of its own first (:func:`self_written_prompts`,
+Magpie's recipe). The token ids are saved in the run's directory and reused on resume.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +22,12 @@ from specdec.config import SamplingParams
 if TYPE_CHECKING:
     from specdec.drafters.train_heads import TrainConfig
 
-DEFAULT_DATA = Path(__file__).resolve().parent.parent / "eval" / "prompts" / "train_heads.jsonl"
+_EVAL = Path(__file__).resolve().parent.parent / "eval"
+DEFAULT_DATA = _EVAL / "prompts" / "train_heads.jsonl"
+EVALUATION_SETS = (_EVAL / "data" / "specdec_bench.jsonl", _EVAL / "prompts" / "runtime.jsonl")
+"""The prompts every benchmark figure is measured on: no training prompt may quote them."""
+RUN = 8  # words: a training prompt sharing a run this long with an evaluation set is dropped
+_SENTINEL = "\x00user-turn\x00"
 
 
 def read_prompts(path: str | os.PathLike) -> list[list[dict[str, str]]]:
@@ -40,9 +48,67 @@ def read_prompts(path: str | os.PathLike) -> list[list[dict[str, str]]]:
     return conversations
 
 
+def word_runs(text: str, n: int = RUN) -> set[tuple[str, ...]]:
+    """Every run of ``n`` consecutive words of ``text`` (lower-cased, punctuation dropped)."""
+    words = re.findall(r"[a-z0-9']+", text.lower())
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+
+def evaluation_runs(paths: Iterable[Path] = EVALUATION_SETS) -> set[tuple[str, ...]]:
+    """The word runs of every user message in the evaluation sets (JSONL: ``turns``,
+    ``prompt`` or ``messages``)."""
+    runs: set[tuple[str, ...]] = set()
+    for path in paths:
+        for line in Path(path).read_text(encoding="utf-8").splitlines():
+            record = json.loads(line)
+            texts = list(record.get("turns") or [])
+            texts += [m["content"] for m in record.get("messages") or [] if m["role"] == "user"]
+            texts += [record["prompt"]] if record.get("prompt") else []
+            for text in texts:
+                runs |= word_runs(text)
+    return runs
+
+
+def self_written_prompts(llm: Any, n: int, seed: int = 0, batch: int = 64) -> list[str]:
+    """``n`` distinct user messages written by the target itself.
+
+    Magpie (Xu et al. 2024, "Alignment Data Synthesis from Scratch by Prompting Aligned LLMs
+    with Nothing"): an instruction-tuned model given its chat template only up to the start of
+    a user's turn writes a plausible user's message, sampled at temperature 1. Only messages
+    the model ended itself (not cut by the length limit) are kept, each once, and none that
+    shares an 8-word run with an evaluation set, so that benchmark figures stay on unseen text.
+    """
+    rendered = llm.render_chat([{"role": "user", "content": _SENTINEL}])
+    if _SENTINEL not in rendered:
+        raise ValueError("the chat template does not show a user's message: cannot self-prompt")
+    opening = llm.encode(rendered[: rendered.index(_SENTINEL)])
+    banned, seen, prompts = evaluation_runs(), set(), list[str]()
+    tries = 0
+    while len(prompts) < n:
+        if tries >= 4 * n:
+            raise ValueError(f"the target wrote {len(prompts)} usable prompts in {tries} tries")
+        params = [
+            SamplingParams(temperature=1.0, top_p=0.95, max_tokens=160, seed=seed * 10**9 + i)
+            for i in range(tries, tries + batch)
+        ]
+        tries += batch
+        for out in llm.generate([opening] * batch, params):
+            text = out.text.strip()
+            if out.finish_reason != "stop" or len(text) < 16 or text in seen:
+                continue
+            seen.add(text)
+            if not word_runs(text) & banned:
+                prompts.append(text)
+        print(f"self-prompts: {len(prompts)} of {n} kept from {tries} written", flush=True)
+    return prompts[:n]
+
+
 def generate_corpus(llm: Any, cfg: TrainConfig) -> list[list[int]]:
     """Prompt + response token ids from the target itself, until ``max_train_tokens``."""
     conversations = read_prompts(cfg.data)
+    if cfg.self_prompts:
+        written = self_written_prompts(llm, cfg.self_prompts, cfg.seed)
+        conversations += [[{"role": "user", "content": text}] for text in written]
     random.Random(cfg.seed).shuffle(conversations)
     corpus: list[list[int]] = []
     total, batch = 0, 64

@@ -5,6 +5,8 @@
    set) with continuous batching, so the heads learn the target's own outputs, until
    ``max_train_tokens``; the prompts left over join the corpus unanswered (their prefill is
    cheap, and the target's prediction at each of their positions is a label like any other).
+   With ``self_prompts`` the target first writes that many prompts of its own (Magpie), to
+   train on more distinct text than a hand-written file holds.
    The token ids are saved in the output directory and reused on resume.
 2. *Features and labels.* The target's final hidden state at every position of every sequence,
    from the engine's own forward (the features the drafter will see at run time), and the
@@ -66,6 +68,7 @@ class TrainConfig:
     model: str | os.PathLike | None = None  # the target (None: the embedded default)
     dtype: str = "float32"  # the target's dtype while it writes the corpus and its features
     data: str | os.PathLike = DEFAULT_DATA  # training prompts, JSONL ("prompt" or "messages")
+    self_prompts: int = 0  # prompts the target writes itself (Magpie), added to data's
     max_train_tokens: int = 200_000  # answered part of the corpus, prompt + response tokens
     unanswered: bool = True  # the prompts left over join the corpus without a response
     max_new_tokens: int = 128  # response length per prompt
@@ -89,6 +92,8 @@ class TrainConfig:
         for name in ("max_train_tokens", "max_new_tokens", "max_steps", "batch_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.self_prompts < 0:
+            raise ValueError(f"self_prompts must be 0 or more, got {self.self_prompts}")
         if not Path(self.data).is_file():
             raise ValueError(f"no training prompts at {self.data}")
         if self.mixed_precision not in ("auto", "bf16", "no"):

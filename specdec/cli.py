@@ -167,6 +167,13 @@ def spec_summary(llm: Any) -> str:
     type=click.Choice(["float32", "bfloat16"]),
     help="The target's dtype while it writes the corpus and the features.",
 )
+@click.option(
+    "--self-prompts",
+    default=0,
+    show_default=True,
+    type=int,
+    help="Prompts the target writes itself (Magpie) and answers, beside --data's.",
+)
 @click.option("--max-steps", default=1500, show_default=True, type=int)
 @click.option(
     "--max-train-tokens",
