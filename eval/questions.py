@@ -13,6 +13,7 @@ each of Spec-Bench's six categories (``mt_bench``: multi-turn conversation, ``tr
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,20 +47,28 @@ class Question:
 
 
 def read_questions(path: str | os.PathLike = DEFAULT_DATASET) -> list[Question]:
-    """The records of a Spec-Bench-format JSONL file, read through ``datasets``; a record that
-    is not one raises ValueError naming the file and the record's number (from 1)."""
-    from datasets import load_dataset
-
+    """The records of a Spec-Bench-format JSONL file, read through ``datasets`` (or line by
+    line where it is not installed, as on a bare GPU image); a record that is not one raises
+    ValueError naming the file and the record's number (from 1)."""
     if not Path(path).is_file():
         raise ValueError(f"no dataset at {path}: give a Spec-Bench-format JSONL file")
     try:
-        rows = load_dataset("json", data_files=str(path), split="train")
+        rows = _json_lines(path)
     except Exception as exc:  # datasets wraps JSON errors in its own types
         raise ValueError(f"{path}: not JSON lines ({type(exc).__name__}: {exc})") from None
     questions = [_question(row, path, number) for number, row in enumerate(rows, start=1)]
     if not questions:
         raise ValueError(f"{path} holds no questions")
     return questions
+
+
+def _json_lines(path: str | os.PathLike) -> Any:
+    try:
+        from datasets import load_dataset
+    except ImportError:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        return [json.loads(line) for line in lines if line.strip()]
+    return load_dataset("json", data_files=str(path), split="train")
 
 
 def _question(row: dict[str, Any], path: str | os.PathLike, number: int) -> Question:
