@@ -112,7 +112,11 @@ class DraftModelDrafter(DrafterBase):
         _check_vocabulary(checkpoint.config, checkpoint.tokenizer, target_config, engine.tokenizer)
         # Drafts need not be batch-invariant: only the target's logits decide what is kept.
         model = LlamaForCausalLM.from_hf(
-            checkpoint.config, checkpoint.state_dict, engine.max_model_len, batch_invariant=False
+            checkpoint.config,
+            checkpoint.state_dict,
+            engine.max_model_len,
+            batch_invariant=False,
+            device=engine.device,  # the target's
         )
         return cls.on_shared_blocks(model, engine)
 

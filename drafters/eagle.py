@@ -44,6 +44,7 @@ from specdec.attention import AttentionMetadata
 from specdec.drafters.base import DrafterBase, FinishedStep
 from specdec.drafters.heads import DraftVocabHead, HeadsOptions, load_for_target
 from specdec.models.llama import DecoderLayer, ModelArchConfig, RMSNorm, Rope
+from specdec.runner import HostStaging
 from specdec.sequence import Sequence
 from specdec.verifier import draft_tokens
 
@@ -135,13 +136,16 @@ class EagleDrafter(DrafterBase):
         self.scheduler = engine.scheduler
         bm = engine.scheduler.block_manager
         self.block_size = bm.block_size
-        cfg, dtype = head.cfg, target.embed_tokens.weight.dtype
+        cfg, weight = head.cfg, target.embed_tokens.weight
         shape = (bm.num_blocks, bm.block_size, cfg.num_kv_heads, cfg.head_dim)
         attn = head.layer.self_attn
         attn.k_cache, attn.v_cache = (
-            torch.zeros(shape, dtype=dtype),
-            torch.zeros(shape, dtype=dtype),
+            torch.zeros(shape, dtype=weight.dtype, device=weight.device),
+            torch.zeros(shape, dtype=weight.dtype, device=weight.device),
         )
+        # the target's attention path: the Triton kernel on CUDA, with its metadata staged
+        self.triton_attention = engine.runner.triton_attention
+        self.staging = HostStaging(weight.device) if weight.device.type != "cpu" else None
         self.written: dict[int, int] = {}  # seq_id -> position of the last row with real inputs
         self.last_feature: dict[int, torch.Tensor] = {}  # seq_id -> [H] that row's output
         # seq_id -> (first row, the features before rows first, first + 1, ...): queued rows
@@ -269,17 +273,38 @@ class EagleDrafter(DrafterBase):
             span = range(first, first + len(tokens))
             positions += span
             slots += [seq.block_table[p // bs] * bs + p % bs for p in span]
-        meta = AttentionMetadata.build(
+        return self._run(
+            [input_ids, positions, slots],
             [len(t) for _, _, t in rows],
             [first + len(t) for _, first, t in rows],
             [seq.block_table for seq, _, _ in rows],
-            torch.tensor(slots, dtype=torch.long),
-            bs,
-            False,
+            features,
         )
-        ids = torch.tensor(input_ids, dtype=torch.long)
-        rope = self.rope(torch.tensor(positions, dtype=torch.long), features.dtype)
-        return self.head(self.embed(ids), features, rope, meta)
+
+    def _run(
+        self,
+        step_ids: list[list[int]],  # [3][N] token ids, positions, KV slots
+        query_lens: list[int],  # [B]
+        context_lens: list[int],  # [B]
+        block_tables: list[list[int]],  # [B][num_blocks]
+        features: torch.Tensor,  # [N, H]
+    ) -> torch.Tensor:  # [N, H]
+        """The head on one flat batch, its small tensors moved to the device in one copy."""
+        step = torch.tensor(step_ids, dtype=torch.long)  # [3, N]
+        meta = AttentionMetadata.build(
+            query_lens,
+            context_lens,
+            block_tables,
+            step[2],
+            self.block_size,
+            False,
+            self.triton_attention,
+        )
+        if self.staging is not None:
+            step, *tensors = self.staging.to_device([step, *meta.tensors()])
+            meta.replace_tensors(tensors)
+        rope = self.rope(step[1], features.dtype)
+        return self.head(self.embed(step[0]), features, rope, meta)
 
     @torch.inference_mode()
     def _timing_forward(self, n: int) -> None:
@@ -288,8 +313,8 @@ class EagleDrafter(DrafterBase):
         cache = self.head.layer.self_attn.k_cache
         n = min(n, cache.shape[0] * self.block_size)
         blocks = list(range(-(-n // self.block_size)))
-        meta = AttentionMetadata.build([n], [n], [blocks], torch.arange(n), self.block_size, False)
-        features = torch.zeros(n, self.head.cfg.hidden_size, dtype=cache.dtype)
-        rope = self.rope(torch.arange(n), cache.dtype)
-        out = self.head(self.embed(torch.zeros(n, dtype=torch.long)), features, rope, meta)
+        features = cache.new_zeros(n, self.head.cfg.hidden_size)
+        out = self._run([[0] * n, list(range(n)), list(range(n))], [n], [n], [blocks], features)
         self.vocab.full_logits(out)
+        if cache.device.type == "cuda":
+            torch.cuda.synchronize(cache.device)  # timed by the caller: wait for the GPU

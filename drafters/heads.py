@@ -117,7 +117,8 @@ def load_for_target(
     config.check_target(model.config)
     module = make(config)
     module.load_state_dict({n: t for n, t in weights.items() if n != "draft_vocab"})
-    module.to(dtype).eval().requires_grad_(False)
+    module.to(device=model.embed_tokens.weight.device, dtype=dtype)  # where the target runs
+    module.eval().requires_grad_(False)
     return module, DraftVocabHead(model, weights["draft_vocab"])
 
 
@@ -154,8 +155,8 @@ def draft_vocabulary(token_counts: torch.Tensor, size: int) -> torch.Tensor:
 def output_rows(model: Any) -> torch.Tensor:
     """The target's output layer as a ``[V, H]`` matrix, however it is stored (packed for the
     row kernels, quantized, tied to the embedding): its logits for the unit vectors."""
-    cfg = model.config
-    eye = torch.eye(cfg.hidden_size, dtype=model.embed_tokens.weight.dtype)
+    cfg, weight = model.config, model.embed_tokens.weight
+    eye = torch.eye(cfg.hidden_size, dtype=weight.dtype, device=weight.device)
     return model.compute_logits(eye).T.contiguous().clone()
 
 
@@ -164,8 +165,8 @@ class DraftVocabHead:
     target ids. ``weight`` is a copy of the target's rows (``[draft_vocab_size, hidden]``)."""
 
     def __init__(self, target: Any, draft_vocab: torch.Tensor):
-        self.draft_vocab = draft_vocab.long()  # [Vd] target id of each draft token
         rows = output_rows(target)
+        self.draft_vocab = draft_vocab.long().to(rows.device)  # [Vd] target ids
         self.weight = rows[self.draft_vocab].contiguous()  # [Vd, H]
         self.vocab_size = rows.shape[0]
 
@@ -176,6 +177,6 @@ class DraftVocabHead:
         """Logits over the target's vocabulary: -inf outside the draft vocabulary, so that the
         target's sampling rule (and its noise) picks among draft tokens only."""
         small = self.logits(hidden)
-        full = torch.full((len(hidden), self.vocab_size), float("-inf"))
+        full = torch.full((len(hidden), self.vocab_size), float("-inf"), device=hidden.device)
         full[:, self.draft_vocab] = small
         return full

@@ -59,9 +59,8 @@ class MedusaDrafter(DrafterBase):
         self.head = head
         self.num_heads = len(heads.blocks)
         self.max_drafts = self.num_heads
-        hidden_size = head.weight.shape[1]
-        dtype = head.weight.dtype
-        self.draft_forward = lambda n: self._logits(torch.zeros(n, hidden_size, dtype=dtype))
+        weight = head.weight
+        self.draft_forward = lambda n: self._logits(weight.new_zeros(n, weight.shape[1]))
 
     @classmethod
     def build(cls, options: Any, engine: Engine, target: Any) -> MedusaDrafter:
@@ -89,8 +88,9 @@ class MedusaDrafter(DrafterBase):
         ]
         if not drafting:
             return
-        index = torch.tensor([rows[seq.seq_id] for seq, _ in drafting])
-        logits = self._logits(step.result.hidden_states[index])  # [K, A, V]
+        hidden = step.result.hidden_states
+        index = torch.tensor([rows[seq.seq_id] for seq, _ in drafting], device=hidden.device)
+        logits = self._logits(hidden[index])  # [K, A, V]
         depth = max(k for _, k in drafting)
         for j in range(depth):  # head j + 1 drafts position num_tokens + j
             live = [a for a, (_, k) in enumerate(drafting) if k > j]

@@ -9,6 +9,7 @@ CLI's ``--drafter`` choices, the option checks and the factory all read this one
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -111,11 +112,7 @@ def build_speculation(
     """The drafter ``spec`` names, built for ``engine`` (whose model came from ``target``),
     and the policy choosing its depth, with step costs timed on the engine's own model."""
     if isinstance(spec.drafter, str):
-        if engine.device.type != "cpu" and spec.drafter != "prompt_lookup":
-            raise ValueError(
-                f"drafter {spec.drafter!r} runs on the CPU for now (its model's forward uses the "
-                f"CPU engine); on {engine.device} use 'prompt_lookup' or device='cpu'"
-            )
+        check_drafter_device(spec.drafter, engine.device)
         drafter = DRAFTERS[spec.drafter].build(spec.options, engine, target)
     else:
         drafter = spec.drafter
@@ -137,3 +134,25 @@ def build_speculation(
     if isinstance(drafter, LookupFirst):
         drafter.policy = policy  # its estimates choose between lookup and the model
     return drafter, policy
+
+
+CHECKED_ON_CUDA = ("prompt_lookup",)
+"""Drafters run on a GPU and found exact there (``make gpu-check``)."""
+UNCHECKED_CUDA_ENV = "SPECDEC_UNCHECKED_CUDA_DRAFTERS"
+"""Set to 1, lets the drafters written for CUDA but not yet run on a GPU (``draft_model``,
+``eagle``, ``medusa``) run there: for ``make gpu-check``, which checks them."""
+
+
+def check_drafter_device(drafter: str, device: Any) -> None:
+    if device.type == "cpu" or drafter in CHECKED_ON_CUDA:
+        return
+    if drafter == "quantized_self":
+        raise ValueError(
+            f"drafter 'quantized_self' runs on the CPU only (its quantized weights need the CPU "
+            f"kernels); on {device} use 'prompt_lookup' or device='cpu'"
+        )
+    if os.environ.get(UNCHECKED_CUDA_ENV) != "1":
+        raise ValueError(
+            f"drafter {drafter!r} has not yet been checked on a GPU; on {device} use "
+            f"'prompt_lookup' or device='cpu' ({UNCHECKED_CUDA_ENV}=1 runs it anyway)"
+        )

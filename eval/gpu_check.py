@@ -10,6 +10,8 @@ process, on the default model, greedy, prompt processing included:
 * CUDA graphs (``cuda_graphs=True``): single stream with and without prompt lookup, and 32
   concurrent requests, against the same engine run eagerly; in float32, greedy output with
   graphs against plain eager decoding;
+* drafters with a model of their own, not yet checked on a GPU (EAGLE and Medusa, the shipped
+  heads): float32 greedy output against plain decoding, and single-stream speed against it;
 * the verification kernel (row-token mode, as the engine calls it, and the ratio-test mode) for
   B = 64 sequences of k = 8 drafts over V = 49,152 tokens: its time against the bytes it must
   read, as a share of the device's copy bandwidth measured on the spot.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 
 from specdec import LLM, SamplingParams, SpecConfig
+from specdec.drafters.registry import UNCHECKED_CUDA_ENV
 from specdec.eval.questions import by_category, read_questions
 from specdec.kernels.rejection import rejection_sample_triton, verify_row_tokens_triton
 from specdec.loader import default_model_dir
@@ -64,6 +68,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ("concurrent_32", lambda: _concurrent(plain, prompts, params, summary)),
         ("float32_exactness", lambda: _float32_exactness(prompts[:4])),
         ("cuda_graphs", lambda: _cuda_graphs(prompts, params, summary, args)),
+        ("heads", lambda: _heads(prompts[:6])),
         ("verification_kernel", _kernel_figures),
     ]
     failed = False
@@ -171,6 +176,33 @@ def _cuda_graphs(
         "float32_graphs_equal_eager": f"{sum(a == b for a, b in zip(runs[0], runs[1]))}/4",
         "float32_graphs_lookup_equal_eager": f"{sum(a == b for a, b in zip(runs[0], runs[2]))}/4",
     }
+
+
+def _heads(prompts: list[list[int]]) -> dict[str, Any]:
+    """EAGLE and Medusa on the GPU (let through for this check): in float32 their greedy output
+    must be plain decoding's; single stream, against plain decoding in this process."""
+    os.environ[UNCHECKED_CUDA_ENV] = "1"
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    figures: dict[str, Any] = {}
+    reference: list[list[int]] = []
+    seconds: dict[str, float] = {}
+    for name in ("plain", "eagle", "medusa"):
+        spec = None if name == "plain" else SpecConfig(name)
+        llm = LLM(dtype="float32", device="cuda", num_kv_blocks=KV_BLOCKS, speculative=spec)
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8))  # warm up
+        seconds[name], outputs = _one_at_a_time(llm, prompts, params)
+        if name == "plain":
+            reference = outputs
+        else:
+            stats = llm.engine.verifier.stats
+            figures[name] = {
+                "outputs_equal_plain": f"{sum(a == b for a, b in zip(outputs, reference))}/"
+                f"{len(prompts)}",
+                "vs_plain": seconds["plain"] / seconds[name],
+                "mean_accepted_length": stats.mean_accepted_length,
+            }
+        del llm
+    return figures
 
 
 def _one_at_a_time(

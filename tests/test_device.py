@@ -10,6 +10,7 @@ import torch
 from specdec import LLM, SamplingParams, SpecConfig
 from specdec.config import EngineConfig, resolve_device
 from specdec.drafters import DrafterBase
+from specdec.drafters.registry import UNCHECKED_CUDA_ENV, check_drafter_device
 from specdec.runner import ATTENTION_BACKEND_ENV
 from specdec.sequence import Sequence
 from specdec.verifier import Verifier
@@ -102,6 +103,20 @@ def test_triton_paged_attention_in_the_engine(make_llm, monkeypatch) -> None:
         assert out.token_ids == hf_greedy(llm.hf_model, prompt, 16)
     assert llm.engine.runner.triton_attention and calls
     assert max(calls) > 1 and llm.engine.verifier.stats.num_draft_tokens > 0
+
+
+def test_drafters_not_yet_checked_on_a_gpu_are_refused_there(monkeypatch) -> None:
+    cuda = torch.device("cuda")
+    check_drafter_device("prompt_lookup", cuda)
+    check_drafter_device("eagle", torch.device("cpu"))
+    monkeypatch.delenv(UNCHECKED_CUDA_ENV, raising=False)
+    for drafter in ("eagle", "medusa", "draft_model"):
+        with pytest.raises(ValueError, match=f"'{drafter}' has not yet been checked on a GPU"):
+            check_drafter_device(drafter, cuda)
+    monkeypatch.setenv(UNCHECKED_CUDA_ENV, "1")
+    check_drafter_device("eagle", cuda)
+    with pytest.raises(ValueError, match="'quantized_self' runs on the CPU only"):
+        check_drafter_device("quantized_self", cuda)
 
 
 def test_device_names_are_checked() -> None:

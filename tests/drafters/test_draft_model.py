@@ -4,6 +4,8 @@ import pytest
 
 from specdec import LLM, SamplingParams
 from specdec.drafters.policy import StepCostModel
+from specdec.drafters.registry import UNCHECKED_CUDA_ENV
+from specdec.runner import ATTENTION_BACKEND_ENV
 from specdec.sequence import Sequence
 from tests.tiny import byte_tokenizer, hf_greedy, tiny_model
 
@@ -95,3 +97,21 @@ def test_catch_up_counts_what_the_draft_cache_lacks(make_llm):
     assert drafter.catch_up_tokens(seq) == 1
     drafter.forget(seq)
     assert drafter.catch_up_tokens(seq) == 1
+
+
+@pytest.mark.cuda  # selected by make gpu-check
+def test_a_draft_model_is_exact_on_the_cuda_path(make_llm, monkeypatch):
+    """On a GPU where there is one (the draft model is let through though not yet checked
+    there); without, the CUDA path in the CPU engine, which the draft model's runner takes too.
+    Greedy and seeded output are plain decoding's."""
+    monkeypatch.setenv(ATTENTION_BACKEND_ENV, "triton")
+    monkeypatch.setenv(UNCHECKED_CUDA_ENV, "1")
+    plain = make_llm(block_size=4)
+    params = [GREEDY, SamplingParams(temperature=0.8, seed=3, max_tokens=30)] * 2
+    reference = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    llm = make_llm(block_size=4, speculative=spec(plain.hf_model))
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == reference
+    assert llm.engine.verifier.stats.num_accepted_tokens > 0
+    draft_runner = llm.engine.drafter.runner
+    assert draft_runner.triton_attention
+    assert draft_runner.k_caches[0].device == llm.engine.runner.k_caches[0].device

@@ -17,7 +17,9 @@ from specdec import SamplingParams, SpecConfig
 from specdec.attention import AttentionMetadata
 from specdec.drafters.eagle import EagleHead
 from specdec.drafters.heads import WEIGHTS_FILE
+from specdec.drafters.registry import UNCHECKED_CUDA_ENV
 from specdec.drafters.train_heads import TrainConfig, train
+from specdec.runner import ATTENTION_BACKEND_ENV
 from tests.tiny import byte_tokenizer, tiny_model
 
 KINDS = ["medusa", "eagle"]
@@ -249,6 +251,25 @@ def test_training_can_start_from_trained_heads(make_llm, tmp_path, trained, prom
     options["init_from"] = trained["medusa"]
     with pytest.raises(ValueError, match="medusa heads in .* do not fit this run"):
         train(tiny_config("medusa", tmp_path / "shape", prompts_file, num_heads=2, **options), llm)
+
+
+@pytest.mark.cuda  # selected by make gpu-check
+@pytest.mark.parametrize("kind", KINDS)
+def test_heads_are_exact_on_the_cuda_path(make_llm, trained, kind, monkeypatch):
+    """On a GPU where there is one (the heads are let through though not yet checked there);
+    without, the CUDA path in the CPU engine: the Triton attention kernel, which the EAGLE
+    head's own attention takes too. Greedy and seeded output are plain decoding's."""
+    monkeypatch.setenv(ATTENTION_BACKEND_ENV, "triton")
+    monkeypatch.setenv(UNCHECKED_CUDA_ENV, "1")
+    params = [GREEDY, SamplingParams(temperature=0.8, seed=3, max_tokens=40), GREEDY]
+    reference = [o.token_ids for o in make_llm(block_size=4).generate(PROMPTS, params)]
+    options = SpecConfig(kind, 4, adaptive=False, heads=trained[kind])
+    spec = make_llm(block_size=4, speculative=options)
+    assert [o.token_ids for o in spec.generate(PROMPTS, params)] == reference
+    stats = spec.engine.verifier.stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+    assert spec.engine.runner.triton_attention
+    assert getattr(spec.engine.drafter, "triton_attention", True)  # EAGLE's attention too
 
 
 @pytest.mark.parametrize("kind", KINDS)
