@@ -59,14 +59,20 @@ class MedusaDrafter(DrafterBase):
         self.head = head
         self.num_heads = len(heads.blocks)
         self.max_drafts = self.num_heads
-        weight = head.weight
-        self.draft_forward = lambda n: self._logits(weight.new_zeros(n, weight.shape[1]))
+        self.draft_forward = self._timing_forward
 
     @classmethod
     def build(cls, options: Any, engine: Engine, target: Any) -> MedusaDrafter:
         heads, vocab = load_for_target(options, "medusa", engine.runner.model, medusa_heads)
         assert isinstance(heads, MedusaHeads)
         return cls(heads, vocab)
+
+    def _timing_forward(self, n: int) -> None:
+        """Every head over ``n`` sequences, as the policy prices a draft step."""
+        weight = self.head.weight
+        self._logits(weight.new_zeros(n, weight.shape[1]))
+        if weight.device.type == "cuda":
+            torch.cuda.synchronize(weight.device)  # timed by the caller: wait for the GPU
 
     @torch.inference_mode()
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [K, N, V]
