@@ -109,6 +109,8 @@ def generate_corpus(llm: Any, cfg: TrainConfig) -> list[list[int]]:
     if cfg.self_prompts:
         written = self_written_prompts(llm, cfg.self_prompts, cfg.seed)
         conversations += [[{"role": "user", "content": text}] for text in written]
+        kept = Path(cfg.out) / "self_prompts.jsonl"  # to read, or to train on again (--data)
+        kept.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in written), "utf-8")
     random.Random(cfg.seed).shuffle(conversations)
     corpus: list[list[int]] = []
     total, batch = 0, 64

@@ -113,3 +113,5 @@ def test_the_corpus_holds_the_targets_own_prompts_and_answers(tmp_path):
     assert sum("Tell me about the sea." in t for t in texts) == 1
     opening = llm.render_chat([{"role": "user", "content": "\x00"}]).split("\x00")[0]
     assert all(t.startswith(opening) for t in texts)
+    written = [c[0]["content"] for c in read_prompts(tmp_path / "self_prompts.jsonl")]
+    assert len(written) == 3 and all(sum(w in t for t in texts) == 1 for w in written)
