@@ -13,7 +13,6 @@ import json
 import os
 import random
 import re
-from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,19 +53,14 @@ def word_runs(text: str, n: int = RUN) -> set[tuple[str, ...]]:
     return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
 
 
-def evaluation_runs(paths: Iterable[Path] = EVALUATION_SETS) -> set[tuple[str, ...]]:
-    """The word runs of every user message in the evaluation sets (JSONL: ``turns``,
-    ``prompt`` or ``messages``)."""
-    runs: set[tuple[str, ...]] = set()
-    for path in paths:
-        for line in Path(path).read_text(encoding="utf-8").splitlines():
-            record = json.loads(line)
-            texts = list(record.get("turns") or [])
-            texts += [m["content"] for m in record.get("messages") or [] if m["role"] == "user"]
-            texts += [record["prompt"]] if record.get("prompt") else []
-            for text in texts:
-                runs |= word_runs(text)
-    return runs
+def evaluation_runs() -> set[tuple[str, ...]]:
+    """The word runs of every user message in the evaluation sets."""
+    from specdec.eval.questions import read_questions
+
+    bench, runtime = EVALUATION_SETS
+    texts = [turn for question in read_questions(bench) for turn in question.turns]
+    texts += [m["content"] for c in read_prompts(runtime) for m in c if m["role"] == "user"]
+    return set().union(*map(word_runs, texts))
 
 
 def self_written_prompts(llm: Any, n: int, seed: int = 0, batch: int = 64) -> list[str]:

@@ -1,13 +1,13 @@
 """``specdec train-heads``: Medusa or EAGLE heads for a target, by self-distillation.
 
-1. *Corpus* (:mod:`specdec.drafters.corpus`). Our own engine answers the training prompts (a JSONL file read through
-   ``datasets``; by default ``eval/prompts/train_heads.jsonl``, kept apart from every evaluation
-   set) with continuous batching, so the heads learn the target's own outputs, until
-   ``max_train_tokens``; the prompts left over join the corpus unanswered (their prefill is
-   cheap, and the target's prediction at each of their positions is a label like any other).
-   With ``self_prompts`` the target first writes that many prompts of its own (Magpie), to
-   train on more distinct text than a hand-written file holds.
-   The token ids are saved in the output directory and reused on resume.
+1. *Corpus* (:mod:`specdec.drafters.corpus`). Our own engine answers the training prompts (a
+   JSONL file read through ``datasets``; by default ``eval/prompts/train_heads.jsonl``, kept
+   apart from every evaluation set) with continuous batching, so the heads learn the target's
+   own outputs, until ``max_train_tokens``; the prompts left over join the corpus unanswered
+   (their prefill is cheap, and the target's prediction at each of their positions is a label
+   like any other). With ``self_prompts`` the target first writes that many prompts of its own
+   (Magpie), to train on more distinct text than a hand-written file holds. The token ids are
+   saved in the output directory and reused on resume.
 2. *Features and labels.* The target's final hidden state at every position of every sequence,
    from the engine's own forward (the features the drafter will see at run time), and the
    target's greedy next token there: the label every head learns, on prompt positions as on
