@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from specdec.models.linear import fast_linears
 from specdec.models.llama import ModelArchConfig
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "heads.safetensors"
@@ -119,7 +120,7 @@ def load_for_target(
     module.load_state_dict({n: t for n, t in weights.items() if n != "draft_vocab"})
     module.to(device=model.embed_tokens.weight.device, dtype=dtype)  # where the target runs
     module.eval().requires_grad_(False)
-    return module, DraftVocabHead(model, weights["draft_vocab"])
+    return fast_linears(module), DraftVocabHead(model, weights["draft_vocab"])
 
 
 def start_from_heads(
@@ -169,9 +170,14 @@ class DraftVocabHead:
         self.draft_vocab = draft_vocab.long().to(rows.device)  # [Vd] target ids
         self.weight = rows[self.draft_vocab].contiguous()  # [Vd, H]
         self.vocab_size = rows.shape[0]
+        size, hidden = self.weight.shape
+        linear = torch.nn.Linear(hidden, size, bias=False, device="meta")
+        linear.weight = torch.nn.Parameter(self.weight, requires_grad=False)
+        # drafting's largest matrix, on the fast kernels (they swap a module's children)
+        self.linear = fast_linears(torch.nn.Sequential(linear))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, Vd] float32
-        return (hidden @ self.weight.T).float()
+        return self.linear(hidden).float()
 
     def full_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] float32
         """Logits over the target's vocabulary: -inf outside the draft vocabulary, so that the
