@@ -2,11 +2,14 @@
 
 Two facts decide whether a draft is worth verifying:
 
-* how likely it is to be accepted. Each sequence keeps an exponential moving average ``a`` of the
-  pass rate of its accept tests (a step that accepts ``m`` of ``k`` drafts ran ``m`` passing
-  tests and, if ``m < k``, one failing test; later drafts were never tested). The j-th draft of
-  a step is accepted with probability about ``a**j`` (all before it must pass), so it adds
-  ``a**j`` expected tokens;
+* how likely it is to be accepted. Each sequence keeps ``a``, the pass rate of its accept tests
+  (a step that accepts ``m`` of ``k`` drafts ran ``m`` passing tests and, if ``m < k``, one
+  failing test; later drafts were never tested), as the ratio of two exponential moving sums,
+  passes over tests. The j-th draft of a step is accepted with probability about ``a**j`` (all
+  before it must pass), so it adds ``a**j`` expected tokens. The ratio of sums is the geometric
+  model's maximum-likelihood estimate; an average of each step's own ratio ``m / (m + 1)`` is
+  biased low (for a true rate of 0.45 and 3 drafts a step it reads 0.29), and read that way an
+  EAGLE head's acceptance kept the policy at one draft or none where four paid 1.5x;
 * what it costs. Attention pads every sequence of a step to the longest query, so a step's
   time is a function ``t(P)`` of its *padded* query tokens ``P = B * (d + 1)`` (``B``
   sequences, ``d`` the most drafts any of them verifies): flat while reading the weights
@@ -49,8 +52,8 @@ from collections.abc import Callable
 from specdec.sequence import Sequence
 
 PRIOR_ACCEPTANCE = 0.5  # acceptance assumed for a sequence not yet measured (by default)
-EMA_WEIGHT = 0.3  # weight of the latest step in a sequence's moving average
-CLASS_EMA_WEIGHT = 0.05  # weight of one sequence's step in its class's average
+EMA_WEIGHT = 0.3  # weight of the latest step in a sequence's moving sums
+CLASS_EMA_WEIGHT = 0.05  # weight of one sequence's step in its class's moving sums
 MIN_CHANCE = 0.05  # a draft less likely than this to be accepted is not verified
 RECOVERY = 0.02  # per-step drift of an untested sequence's average toward its class's
 CLASS_RECOVERY = 0.002  # per-step drift of an untested class's average toward the prior
@@ -75,9 +78,17 @@ class StepCostModel:
     more; the policy then stopped verifying 1 draft, so no later step of that size could correct
     the knot, and a third of the steps that should have drafted went without. A real change in
     step time passes from its third step on.
+
+    Stalls longer than that still happen (an EAGLE run once learnt that 2 query tokens cost 24 ms
+    where 5 cost 16). So that no knot stays wrong for good, a knot no observation has moved in
+    the latest ``STALE`` drifts back toward its start-up value (``RECOVERY`` per observation),
+    as an untested acceptance drifts back to its prior: a size the policy shuns is tried again
+    before long, and what it costs then is learnt anew.
     """
 
     LEARNING_RATE = 0.2  # share of a step's prediction error taken into the curve
+    STALE = 50  # observations after which a knot none of them moved starts to drift back
+    RECOVERY = 0.01  # per observation, drift of a stale knot toward its start-up value
     WINDOW = 5  # latest times kept per step size; their median is what the curve learns
     MAX_KNOT = 4096
 
@@ -88,6 +99,8 @@ class StepCostModel:
         self.sizes = sorted(sizes)
         sizes_measured, times_measured = [n for n, _ in measured], [t for _, t in measured]
         self.values = [_interpolate(sizes_measured, times_measured, n) for n in self.sizes]
+        self.start = list(self.values)  # the start-up curve, where stale knots drift back
+        self.moved = [0] * len(self.sizes)  # the observation that last moved each knot
         self.times = self._monotone()
         self.num_observed = 0
         self.recent: dict[int, collections.deque[float]] = {}  # N -> latest times seen at N
@@ -120,13 +133,20 @@ class StepCostModel:
         seconds = statistics.median(recent)
         i = min(bisect.bisect_left(self.sizes, num_tokens), len(self.sizes) - 1)
         if i == 0 or self.sizes[i] == num_tokens:
+            moved = {i}
             self.values[i] += self.LEARNING_RATE * (seconds - self.values[i])
         else:
+            moved = {i - 1, i}
             n0, n1 = self.sizes[i - 1], self.sizes[i]
             w = (num_tokens - n0) / (n1 - n0)
             error = seconds - ((1 - w) * self.values[i - 1] + w * self.values[i])
             self.values[i - 1] += self.LEARNING_RATE * (1 - w) * error
             self.values[i] += self.LEARNING_RATE * w * error
+        for j, start in enumerate(self.start):
+            if j in moved:
+                self.moved[j] = self.num_observed
+            elif self.num_observed - self.moved[j] > self.STALE:
+                self.values[j] += self.RECOVERY * (start - self.values[j])
         self.times = self._monotone()
 
     def _monotone(self) -> list[float]:
@@ -161,8 +181,11 @@ class AdaptivePolicy:
         self.cost = cost  # None: fixed k (every eligible sequence gets max_drafts)
         self.draft_cost = draft_cost  # time of one drafter forward over N sequences, if any
         self.drafts_in_one_pass = drafts_in_one_pass  # one forward drafts every depth (Medusa)
-        self.acceptance: dict[int, dict[int, float]] = {}  # seq_id -> class -> moving average
-        self.class_acceptance: dict[int, float] = {}  # class -> moving average over sequences
+        self.acceptance: dict[int, dict[int, float]] = {}  # seq_id -> class -> pass rate
+        self.class_acceptance: dict[int, float] = {}  # class -> pass rate over sequences
+        # the moving sums of tests behind those rates (absent: 1, the prior's weight)
+        self.tests: dict[int, dict[int, float]] = {}  # seq_id -> class -> tests
+        self.class_tests: dict[int, float] = {}  # class -> tests
         self.tested: dict[int, int] = {}  # seq_id -> class it verified drafts of, last step
         self.last_class: dict[int, int] = {}  # seq_id -> class of its latest drafts
         self.pending = 0  # catch-up tokens of the latest allocation's drafting sequences
@@ -279,7 +302,7 @@ class AdaptivePolicy:
         return self.cost(batch * (depth + 1)) + drafting
 
     def forget(self, seq: Sequence) -> None:
-        for table in (self.acceptance, self.tested, self.last_class):
+        for table in (self.acceptance, self.tests, self.tested, self.last_class):
             table.pop(seq.seq_id, None)
 
     def _limit(self, seq: Sequence, max_model_len: int) -> int:
@@ -301,13 +324,15 @@ class AdaptivePolicy:
                 continue
             tested = self.last_class.get(seq.seq_id, 1)
             self.tested[seq.seq_id] = tested
-            rate = passed / (passed + (1 if passed < drafted else 0))
+            tests = passed + (1 if passed < drafted else 0)
             shared = self.class_acceptance.get(tested, self.prior(tested))
-            own = self.acceptance.setdefault(seq.seq_id, {})
-            own[tested] = (1 - EMA_WEIGHT) * own.get(tested, shared) + EMA_WEIGHT * rate
-            self.class_acceptance[tested] = (
-                1 - CLASS_EMA_WEIGHT
-            ) * shared + CLASS_EMA_WEIGHT * rate
+            own, weights = (t.setdefault(seq.seq_id, {}) for t in (self.acceptance, self.tests))
+            own[tested], weights[tested] = _fold(
+                own.get(tested, shared), weights.get(tested, 1.0), passed, tests, EMA_WEIGHT
+            )
+            self.class_acceptance[tested], self.class_tests[tested] = _fold(
+                shared, self.class_tests.get(tested, 1.0), passed, tests, CLASS_EMA_WEIGHT
+            )
 
     def prior(self, draft_class: int) -> float:
         """The acceptance assumed for ``draft_class`` before any is measured."""
@@ -341,6 +366,15 @@ class AdaptivePolicy:
         if not just_tested:
             own[draft_class] += RECOVERY * (shared - own[draft_class])
         return own[draft_class]
+
+
+def _fold(
+    rate: float, tests: float, passed: int, tested: int, weight: float
+) -> tuple[float, float]:
+    """A pass rate kept as moving sums (``rate * tests`` passes in ``tests`` tests) after a step
+    of ``tested`` tests, ``passed`` of which passed, given ``weight``: the new rate and tests."""
+    new_tests = (1 - weight) * tests + weight * tested
+    return ((1 - weight) * rate * tests + weight * passed) / new_tests, new_tests
 
 
 def _timed(forward: Callable[[int], object], n: int) -> float:

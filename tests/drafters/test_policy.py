@@ -120,6 +120,37 @@ def test_stalled_steps_do_not_price_drafts_out():
     assert drafting_steps > 180
 
 
+def test_a_size_priced_out_by_a_long_stall_is_tried_again():
+    """Three stalled steps in a row at 2 query tokens teach the curve that a 1-draft step is
+    dear; once no step of that size has been seen for a while, its knot drifts back to the
+    start-up price, so the policy verifies a draft again and learns what it really costs."""
+    cost = StepCostModel([(1, 1.0), (2, 1.01), (16, 1.5)])
+    for _ in range(5):
+        cost.observe(2, 3.0)
+    assert cost(2) > 1.3
+    for _ in range(StepCostModel.STALE):  # decodes only: the knot at 2 is not stale yet
+        cost.observe(1, 1.0)
+    assert cost(2) > 1.3
+    for _ in range(500):
+        cost.observe(1, 1.0)
+    assert cost(2) < 1.05
+
+
+def test_acceptance_is_the_ratio_of_passes_to_tests():
+    """Steps of 3 drafts whose first failing test falls as a geometric law of rate 0.5 would
+    have: the pass rate is 0.5 (7 passes in 14 tests per 8 steps). The mean of each step's own
+    m / (m + 1) reads 0.33 and would keep drafts that pay from being verified."""
+    policy = AdaptivePolicy(max_drafts=3, cost=FLAT)
+    seq = decoding_seq(0)
+    readings = []
+    for _ in range(40):
+        for accepted in (0, 0, 0, 0, 1, 1, 2, 3):
+            verified(policy, [seq], 3, [accepted])
+            readings.append(policy.class_acceptance[1])
+    cycle = readings[-8:]
+    assert sum(cycle) / len(cycle) == pytest.approx(0.5, abs=0.04)
+
+
 def test_learned_costs_turn_drafting_off_in_a_busy_batch():
     """The start-up curve says drafts are free; measured verification steps say they are not."""
     policy = AdaptivePolicy(max_drafts=4, cost=StepCostModel([(1, 1.0), (256, 1.1)]))
