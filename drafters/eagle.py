@@ -46,7 +46,6 @@ from specdec.drafters.heads import DraftVocabHead, HeadsOptions, load_for_target
 from specdec.models.llama import DecoderLayer, ModelArchConfig, RMSNorm, Rope
 from specdec.runner import HostStaging
 from specdec.sequence import Sequence
-from specdec.verifier import draft_tokens
 
 if TYPE_CHECKING:
     from specdec.engine import Engine
@@ -249,7 +248,7 @@ class EagleDrafter(DrafterBase):
         live = list(range(len(seqs)))
         for j in range(max(ks)):
             chosen = [seqs[i] for i in live]
-            tokens = draft_tokens(self.vocab.full_logits(features), chosen)
+            tokens = self.vocab.draft(features, chosen)
             for seq, token in zip(chosen, tokens):
                 seq.spec_token_ids.append(token)
             keep = [a for a, i in enumerate(live) if j + 1 < ks[i]]
@@ -315,6 +314,6 @@ class EagleDrafter(DrafterBase):
         blocks = list(range(-(-n // self.block_size)))
         features = cache.new_zeros(n, self.head.cfg.hidden_size)
         out = self._run([[0] * n, list(range(n)), list(range(n))], [n], [n], [blocks], features)
-        self.vocab.full_logits(out)
+        self.vocab.logits(out)
         if cache.device.type == "cuda":
             torch.cuda.synchronize(cache.device)  # timed by the caller: wait for the GPU

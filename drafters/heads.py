@@ -28,6 +28,8 @@ from safetensors.torch import load_file, save_file
 
 from specdec.models.linear import fast_linears
 from specdec.models.llama import ModelArchConfig
+from specdec.sequence import Sequence
+from specdec.verifier import draft_tokens
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "heads.safetensors"
 DEFAULT_HEADS_DIR = Path(__file__).parent / "data" / "heads"  # shipped heads, by kind
@@ -179,10 +181,33 @@ class DraftVocabHead:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, Vd] float32
         return self.linear(hidden).float()
 
-    def full_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] float32
+    def _full(self, small: torch.Tensor) -> torch.Tensor:  # [N, Vd] -> [N, V]
         """Logits over the target's vocabulary: -inf outside the draft vocabulary, so that the
         target's sampling rule (and its noise) picks among draft tokens only."""
-        small = self.logits(hidden)
-        full = torch.full((len(hidden), self.vocab_size), float("-inf"), device=hidden.device)
+        full = torch.full((len(small), self.vocab_size), float("-inf"), device=small.device)
         full[:, self.draft_vocab] = small
         return full
+
+    def draft(self, hidden: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """Each sequence's next draft from the head's output ``hidden`` ([len(seqs), H]), by the
+        target's rule (:func:`~specdec.verifier.draft_tokens` over the full vocabulary). When every
+        row is greedy with nothing to constrain it, that rule is the argmax of the draft
+        vocabulary's logits (its ids ascend, so ties fall as over the full row), taken without
+        building the full rows (on the default model, 0.29 ms of the 0.55 ms a draft took)."""
+        small = self.logits(hidden)
+        if all(_plain_greedy(seq) for seq in seqs):
+            return self.draft_vocab[small.argmax(dim=-1)].tolist()
+        return draft_tokens(self._full(small), seqs)
+
+
+def _plain_greedy(seq: Sequence) -> bool:
+    """Whether ``seq``'s next draft is the argmax of its raw logits: greedy, and nothing of
+    :func:`~specdec.verifier.constrain_rows` applies at its next draft position."""
+    params = seq.params
+    return (
+        params.is_greedy
+        and not params.logit_bias
+        and not params.has_penalties
+        and seq.guide is None
+        and seq.num_output_tokens + len(seq.spec_token_ids) >= params.min_tokens
+    )

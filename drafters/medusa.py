@@ -26,7 +26,6 @@ from torch import nn
 from specdec.drafters.base import DrafterBase, FinishedStep
 from specdec.drafters.heads import DraftVocabHead, HeadsConfig, HeadsOptions, load_for_target
 from specdec.sequence import Sequence
-from specdec.verifier import draft_tokens
 
 if TYPE_CHECKING:
     from specdec.engine import Engine
@@ -67,18 +66,16 @@ class MedusaDrafter(DrafterBase):
         assert isinstance(heads, MedusaHeads)
         return cls(heads, vocab)
 
+    @torch.inference_mode()
     def _timing_forward(self, n: int) -> None:
         """Every head over ``n`` sequences, as the policy prices a draft step."""
         weight = self.head.weight
-        self._logits(weight.new_zeros(n, weight.shape[1]))
+        for features in self.heads(weight.new_zeros(n, weight.shape[1])):
+            self.head.logits(features)
         if weight.device.type == "cuda":
             torch.cuda.synchronize(weight.device)  # timed by the caller: wait for the GPU
 
     @torch.inference_mode()
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [K, N, V]
-        features = self.heads(hidden)  # [K, N, H]
-        return torch.stack([self.head.full_logits(f) for f in features])
-
     def propose(
         self, seqs: list[Sequence], num_drafts: list[int], step: FinishedStep | None = None
     ) -> None:
@@ -96,12 +93,12 @@ class MedusaDrafter(DrafterBase):
             return
         hidden = step.result.hidden_states
         index = torch.tensor([rows[seq.seq_id] for seq, _ in drafting], device=hidden.device)
-        logits = self._logits(hidden[index])  # [K, A, V]
+        features = self.heads(hidden[index])  # [K, A, H]
         depth = max(k for _, k in drafting)
         for j in range(depth):  # head j + 1 drafts position num_tokens + j
             live = [a for a, (_, k) in enumerate(drafting) if k > j]
             chosen = [drafting[a][0] for a in live]
-            tokens = draft_tokens(logits[j, live], chosen)
+            tokens = self.head.draft(features[j, live], chosen)
             for seq, token in zip(chosen, tokens):
                 seq.spec_token_ids.append(token)
 

@@ -21,6 +21,8 @@ from specdec.drafters.registry import UNCHECKED_CUDA_ENV
 from specdec.drafters.train_heads import TrainConfig, train
 from specdec.models.linear import PackedLinear, RowLinear, can_prepack
 from specdec.runner import ATTENTION_BACKEND_ENV
+from specdec.sequence import Sequence
+from specdec.verifier import draft_tokens
 from tests.tiny import byte_tokenizer, tiny_model
 
 KINDS = ["medusa", "eagle"]
@@ -171,6 +173,24 @@ def test_heads_on_the_cpu_run_the_targets_fast_linears(make_llm, trained, kind, 
     hidden = torch.randn(3, vocab.weight.shape[1]).to(vocab.weight.dtype)
     expected = (hidden.float() @ vocab.weight.float().T).float()
     torch.testing.assert_close(vocab.logits(hidden), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_a_greedy_draft_is_the_argmax_over_the_draft_vocabulary(make_llm, trained):
+    """The shortcut for plain greedy rows drafts what the target's rule over the full vocabulary
+    drafts; a row with something to constrain (here a logit bias) takes the full rule."""
+    spec = make_llm(speculative=SpecConfig("eagle", 4, heads=trained["eagle"]))
+    vocab = spec.engine.drafter.vocab
+    torch.manual_seed(0)
+    hidden = torch.randn(6, vocab.weight.shape[1])
+    seqs = [Sequence(i, [5, 6, 7], 3, GREEDY) for i in range(6)]
+    full = draft_tokens(vocab._full(vocab.logits(hidden)), seqs)
+    assert vocab.draft(hidden, seqs) == full
+    favoured = next(t for t in vocab.draft_vocab.tolist() if t != full[0])
+    biased = SamplingParams(temperature=0, max_tokens=8, logit_bias={favoured: 100.0})
+    assert vocab.draft(hidden[:2], [Sequence(9, [5, 6, 7], 3, biased), seqs[1]]) == [
+        favoured,
+        full[1],
+    ]
 
 
 @pytest.mark.parametrize("kind", KINDS)
