@@ -184,8 +184,8 @@ class AdaptivePolicy:
         self.acceptance: dict[int, dict[int, float]] = {}  # seq_id -> class -> pass rate
         self.class_acceptance: dict[int, float] = {}  # class -> pass rate over sequences
         # the moving sums of tests behind those rates (absent: 1, the prior's weight)
-        self.tests: dict[int, dict[int, float]] = {}  # seq_id -> class -> tests
-        self.class_tests: dict[int, float] = {}  # class -> tests
+        self.test_sums: dict[int, dict[int, float]] = {}  # seq_id -> class -> tests
+        self.class_test_sums: dict[int, float] = {}  # class -> tests
         self.tested: dict[int, int] = {}  # seq_id -> class it verified drafts of, last step
         self.last_class: dict[int, int] = {}  # seq_id -> class of its latest drafts
         self.pending = 0  # catch-up tokens of the latest allocation's drafting sequences
@@ -302,7 +302,7 @@ class AdaptivePolicy:
         return self.cost(batch * (depth + 1)) + drafting
 
     def forget(self, seq: Sequence) -> None:
-        for table in (self.acceptance, self.tests, self.tested, self.last_class):
+        for table in (self.acceptance, self.test_sums, self.tested, self.last_class):
             table.pop(seq.seq_id, None)
 
     def _limit(self, seq: Sequence, max_model_len: int) -> int:
@@ -326,12 +326,12 @@ class AdaptivePolicy:
             self.tested[seq.seq_id] = tested
             tests = passed + (1 if passed < drafted else 0)
             shared = self.class_acceptance.get(tested, self.prior(tested))
-            own, weights = (t.setdefault(seq.seq_id, {}) for t in (self.acceptance, self.tests))
+            own, weights = (t.setdefault(seq.seq_id, {}) for t in (self.acceptance, self.test_sums))
             own[tested], weights[tested] = _fold(
                 own.get(tested, shared), weights.get(tested, 1.0), passed, tests, EMA_WEIGHT
             )
-            self.class_acceptance[tested], self.class_tests[tested] = _fold(
-                shared, self.class_tests.get(tested, 1.0), passed, tests, CLASS_EMA_WEIGHT
+            self.class_acceptance[tested], self.class_test_sums[tested] = _fold(
+                shared, self.class_test_sums.get(tested, 1.0), passed, tests, CLASS_EMA_WEIGHT
             )
 
     def prior(self, draft_class: int) -> float:

@@ -242,6 +242,18 @@ def draft_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     return next_tokens(logits, [seq.params for seq in seqs], keys)
 
 
+def is_unconstrained(seq: Sequence, j: int) -> bool:
+    """Whether :func:`constrain_rows` leaves ``seq``'s row at draft position ``j`` as it is: no
+    bias, no penalties, no guide, ``min_tokens`` reached. Keep the two in step."""
+    params = seq.params
+    return (
+        not params.logit_bias
+        and seq.num_output_tokens + j >= params.min_tokens
+        and not params.has_penalties
+        and seq.guide is None
+    )
+
+
 def constrain_rows(
     seqs: list[Sequence],  # [L] the sequence of each row
     logits: torch.Tensor,  # [L, V] raw logits, changed in place

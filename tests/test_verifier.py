@@ -92,3 +92,23 @@ def test_rows_after_a_mismatch_are_not_sampled(monkeypatch) -> None:
         Verifier().verify(*make_step([([(first + 1) % VOCAB, 0, 0], sampled)], logits)).emitted
     )
     assert emitted == [[first]] and num_rows == [1]
+
+
+def test_a_row_is_unconstrained_only_when_constrain_rows_leaves_it_as_it_is():
+    """The heads' greedy shortcut rests on this: whatever ``constrain_rows`` would change, the
+    predicate must say so."""
+    cases = {
+        "plain": (SamplingParams(temperature=0, max_tokens=8), True),
+        "bias": (SamplingParams(temperature=0, max_tokens=8, logit_bias={3: 5.0}), False),
+        "penalty": (SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.2), False),
+        "min_tokens": (SamplingParams(temperature=0, max_tokens=8, min_tokens=3), False),
+    }
+    for name, (params, expected) in cases.items():
+        seq = Sequence(0, [5, 6, 7], 3, params, eos_token_ids=(2,))
+        logits = torch.arange(12, dtype=torch.float32)[None] - 6  # token 2 (the EOS) at -4
+        before = logits.clone()
+        verifier_module.constrain_rows([seq], logits, [0])
+        assert verifier_module.is_unconstrained(seq, 0) is expected, name
+        assert torch.equal(logits, before) is expected, name
+    seq = Sequence(0, [5, 6, 7], 3, cases["min_tokens"][0], eos_token_ids=(2,))
+    assert verifier_module.is_unconstrained(seq, 3)  # past min_tokens with three drafts
