@@ -121,6 +121,16 @@ def apply_penalties(
         logits[ids.to(device)] -= amount.to(device)
 
 
+def row_argmax(rows: torch.Tensor) -> torch.Tensor:  # [N, V] -> [N] int64
+    """The index of each row's largest value, the first where it ties (a NaN counts as the
+    largest), as ``rows.argmax(dim=-1)``. A float32 CPU tensor goes through numpy, whose argmax
+    is vectorised where torch's CPU reduction is not: this runs on every logit row of every step
+    (the README's Architecture section has the measurement)."""
+    if rows.device.type == "cpu" and rows.dtype == torch.float32 and not rows.requires_grad:
+        return torch.from_numpy(rows.numpy().argmax(axis=-1))
+    return rows.argmax(dim=-1)
+
+
 def next_tokens(
     logits: torch.Tensor,  # [N, V] raw logits
     params: Sequence[SamplingParams],  # [N] the request of each row
@@ -128,7 +138,7 @@ def next_tokens(
 ) -> list[int]:
     """The token plain decoding emits at each row: the argmax of the raw logits for a greedy row,
     else the race winner over :func:`process_logits_for`'s distribution with the row's noise."""
-    tokens = logits.argmax(dim=-1)  # [N]
+    tokens = row_argmax(logits)  # [N]
     sampled = [i for i, p in enumerate(params) if not p.is_greedy]
     if sampled:
         probs = process_logits_for(logits[sampled], [params[i] for i in sampled])
@@ -148,7 +158,7 @@ def sample(
     Tarlow and Minka 2014, "A* Sampling"). Tokens with ``p_v = 0`` never win.
     """
     noise = exponential_noise(keys, probs.shape[1], probs.device)  # [N, V]
-    return (probs.float() / noise).argmax(dim=-1)
+    return row_argmax(probs.float() / noise)
 
 
 def exponential_noise(

@@ -51,6 +51,7 @@ from specdec.sampling import (
     exponential_noise,
     next_tokens,
     process_logits_for,
+    row_argmax,
     token_logprobs,
 )
 from specdec.scheduler import SchedulerOutput
@@ -232,8 +233,11 @@ def draft_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     [len(seqs), V] (changed in place): the target's rule (:func:`next_tokens`, keyed by the
     drafted position) on logits constrained as the target's row there will be
     (:func:`constrain_rows`: bias, ``min_tokens``, penalties, a guide), so that a draft the guide
-    forbids is never proposed, only to be rejected."""
+    forbids is never proposed, only to be rejected. Where every row is greedy and
+    :func:`is_unconstrained`, that rule is the argmax of the raw logits, taken at once."""
     positions = [len(seq.spec_token_ids) for seq in seqs]
+    if all(s.params.is_greedy and is_unconstrained(s, j) for s, j in zip(seqs, positions)):
+        return row_argmax(logits).tolist()
     constrain_rows(seqs, logits, positions)
     dead = ~torch.isfinite(logits).any(dim=1)  # a reduced draft vocabulary the guide excludes:
     if dead.any():  # any draft then, which the target will reject

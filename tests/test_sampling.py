@@ -6,7 +6,14 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdec.sampling import exponential_noise, noise_seed, process_logits, sample, splitmix64
+from specdec.sampling import (
+    exponential_noise,
+    noise_seed,
+    process_logits,
+    row_argmax,
+    sample,
+    splitmix64,
+)
 
 LOGITS = torch.tensor([2.0, 1.5, 1.4, 1.0, 0.5, 0.3, 0.0, -0.2, -1.0, -3.0, 0.9, 1.2])
 NUM_SAMPLES = 200_000
@@ -124,3 +131,19 @@ def test_noise_seed_mixes_seed_and_position():
     assert noise_seed(7, 4) != noise_seed(8, 3)  # no collision along seed + position
     assert noise_seed(-1, 0) == noise_seed(2**64 - 1, 0)  # seeds are taken mod 2**64
     assert len({noise_seed(s, p) for s in range(50) for p in range(50)}) == 2500
+
+
+def test_row_argmax_is_torchs_argmax_ties_nan_and_views_included():
+    """The numpy path must pick what ``argmax(dim=-1)`` picks: the first of tied maxima, a NaN
+    over any number, index 0 of a row of -inf, and the same through strided views."""
+    inf, nan = float("inf"), float("nan")
+    rows = torch.tensor(
+        [[1.0, nan, 3.0, nan], [-inf] * 4, [2.0, 5.0, 5.0, 1.0], [inf, 1.0, inf, 0.0]]
+    )
+    torch.manual_seed(0)
+    wide = torch.randn(5, 2 * 49152).round(decimals=1)  # many ties
+    for x in (rows, wide, wide[:, ::2], wide[1:4].T.contiguous().T, wide[:, 7:9]):
+        assert torch.equal(row_argmax(x), x.argmax(dim=-1))
+    assert torch.equal(row_argmax(wide.bfloat16()), wide.bfloat16().argmax(dim=-1))  # torch's
+    grad = wide.clone().requires_grad_()
+    assert torch.equal(row_argmax(grad), wide.argmax(dim=-1))

@@ -112,3 +112,18 @@ def test_a_row_is_unconstrained_only_when_constrain_rows_leaves_it_as_it_is():
         assert torch.equal(logits, before) is expected, name
     seq = Sequence(0, [5, 6, 7], 3, cases["min_tokens"][0], eos_token_ids=(2,))
     assert verifier_module.is_unconstrained(seq, 3)  # past min_tokens with three drafts
+
+
+def test_a_greedy_unconstrained_draft_is_the_argmax_and_a_biased_one_is_not():
+    """``draft_tokens``' shortcut (every row greedy, nothing to constrain) gives the full rule's
+    tokens; a row with a bias in the batch sends every row through the full rule."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, VOCAB)
+    plain = SamplingParams(temperature=0, max_tokens=8)
+    seqs = [Sequence(i, [5, 6, 7], 3, plain) for i in range(3)]
+    assert verifier_module.draft_tokens(logits.clone(), seqs) == logits.argmax(-1).tolist()
+    worst = int(logits[1].argmin())
+    seqs[1] = Sequence(1, [5, 6, 7], 3, SamplingParams(temperature=0, max_tokens=8,
+                                                        logit_bias={worst: 100.0}))  # fmt: skip
+    tokens = verifier_module.draft_tokens(logits.clone(), seqs)
+    assert tokens[1] == worst and tokens[0] == int(logits[0].argmax())
