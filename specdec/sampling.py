@@ -70,6 +70,11 @@ def process_logits_for(
     )
 
 
+# A row's kept set is looked for among its best 256 tokens, then 4,096, then all of them: a full
+# sort of the default model's 49,152 logits cost more than the decode step it followed.
+CANDIDATES = (256, 4096)
+
+
 def _top_k_top_p(
     logits: torch.Tensor,  # [N, V] temperature-scaled logits
     top_k: torch.Tensor,  # [N]
@@ -77,22 +82,66 @@ def _top_k_top_p(
     use_k: torch.Tensor,  # [N] bool
     use_p: torch.Tensor,  # [N] bool
 ) -> torch.Tensor:  # [N, V] logits with removed tokens at -inf
-    """Mask tokens outside the top-k and outside the smallest set with mass >= top_p."""
+    """Mask tokens outside the top-k and outside the smallest set with mass >= top_p.
+
+    Each row keeps the tokens at or above a *cut*, a logit value: the k-th best logit (top-k),
+    and the least logit of the fewest best tokens whose mass, among those top-k keeps, reaches
+    top_p (a token is kept while the mass of better tokens is below top_p; the best always
+    stays). Tokens tied at the cut are all kept, as transformers' ``TopKLogitsWarper`` keeps
+    them, so no sort's order of ties can change a row. The cut needs only the row's best
+    tokens: it is taken from the best ``CANDIDATES[0]`` where they hold it, else from more. Which
+    round settles a row depends on that row alone, so its bits never depend on the batch."""
     vocab = logits.shape[1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V]
-    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)  # [1, V]
-    k = torch.where(use_k, top_k, torch.full_like(top_k, vocab)).unsqueeze(1)  # [N, 1]
-    remove = ranks >= k  # [N, V] outside the top-k
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    sorted_probs = torch.softmax(sorted_logits, dim=-1)  # [N, V]
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [N, V] mass of better tokens
-    p = torch.where(use_p, top_p.float(), torch.ones_like(top_p, dtype=torch.float32))
-    # A token is kept while the mass before it is still below top_p; the first token always stays.
-    # Only rows that use top-p: elsewhere p is 1, which a rounded cumsum can reach before the
-    # tail, and a row's tokens must not depend on another request's top_p.
-    remove = remove | (use_p.unsqueeze(1) & (mass_before >= p.unsqueeze(1)) & (ranks > 0))
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    cut = torch.full((len(logits),), float("-inf"), device=logits.device)  # [N]
+    pending = (use_k | use_p).nonzero().squeeze(1).tolist()
+    for size in (*(c for c in CANDIDATES if c < vocab), vocab):
+        rows = [r for r in pending if size == vocab or not use_k[r] or int(top_k[r]) <= size]
+        if not rows:
+            continue
+        index = torch.tensor(rows, device=logits.device)
+        settled, row_cut = _cut_among_best(
+            logits[index], size, top_k[index], top_p[index], use_k[index], use_p[index]
+        )
+        cut[index[settled]] = row_cut[settled]
+        done = set(index[settled].tolist())
+        pending = [r for r in pending if r not in done]
+        if not pending:
+            break
+    return torch.where(logits >= cut.unsqueeze(1), logits, float("-inf"))
+
+
+def _cut_among_best(
+    logits: torch.Tensor,  # [R, V] temperature-scaled logits
+    size: int,  # how many of each row's best tokens to look at
+    top_k: torch.Tensor,  # [R]
+    top_p: torch.Tensor,  # [R]
+    use_k: torch.Tensor,  # [R] bool
+    use_p: torch.Tensor,  # [R] bool
+) -> tuple[torch.Tensor, torch.Tensor]:  # [R] bool, [R] float32
+    """Whether each row's cut lies among its best ``size`` tokens, and the cut where it does."""
+    best = (
+        logits.topk(size, dim=-1).values
+        if size < logits.shape[1]
+        else logits.sort(dim=-1, descending=True).values
+    )  # [R, size] descending
+    ranks = torch.arange(size, device=logits.device)  # [size]
+    k = torch.where(use_k, top_k.clamp(1, size), torch.ones_like(top_k)) - 1  # [R] k-th rank
+    k_cut = torch.where(use_k, best.gather(1, k.unsqueeze(1)).squeeze(1), float("-inf"))  # [R]
+    # the mass top-p reads is that of the tokens top-k keeps: normalise over them alone
+    kept_by_k = torch.where(best >= k_cut.unsqueeze(1), best, float("-inf"))
+    norm = torch.where(
+        use_k, torch.logsumexp(kept_by_k, dim=-1), torch.logsumexp(logits, dim=-1)
+    )  # [R]
+    probs = torch.exp(kept_by_k - norm.unsqueeze(1))  # [R, size]
+    mass_before = probs.cumsum(dim=-1) - probs  # [R, size] mass of better tokens
+    num_kept = ((mass_before < top_p.float().unsqueeze(1)) | (ranks == 0)).sum(dim=-1)  # [R]
+    p_cut = torch.where(use_p, best.gather(1, (num_kept - 1).unsqueeze(1)).squeeze(1), k_cut)
+    whole = size == logits.shape[1]
+    # top-k is settled unless ties at the k-th value may run past the best `size`; top-p once a
+    # token among them has better tokens of mass top_p before it
+    k_settled = ~use_k | (best[:, -1] < k_cut) | whole
+    p_settled = ~use_p | (num_kept < size) | whole
+    return k_settled & p_settled, torch.maximum(k_cut, p_cut)
 
 
 def apply_penalties(

@@ -147,3 +147,44 @@ def test_row_argmax_is_torchs_argmax_ties_nan_and_views_included():
     assert torch.equal(row_argmax(wide.bfloat16()), wide.bfloat16().argmax(dim=-1))  # torch's
     grad = wide.clone().requires_grad_()
     assert torch.equal(row_argmax(grad), wide.argmax(dim=-1))
+
+
+def kept_reference(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    """An independent float64 statement of the cut: the tokens at or above the k-th best logit,
+    then at or above the least logit of the fewest best tokens whose mass reaches top_p."""
+    order = np.sort(logits)[::-1]
+    k_cut = order[top_k - 1] if 0 < top_k < len(logits) else -np.inf
+    kept = np.where(order >= k_cut, np.exp(order - order.max()), 0.0)
+    probs = kept / kept.sum()
+    before = np.cumsum(probs) - probs
+    n = max(1, int((before < top_p).sum())) if top_p < 1 else len(logits)
+    return logits >= max(k_cut, order[n - 1])
+
+
+def test_top_k_top_p_on_a_large_vocabulary_keep_what_the_definition_keeps():
+    """Rows settled among the best 256 tokens, among 4,096, and only over the whole row (a flat
+    distribution, top-k past 4,096), ties at the cut, each against the float64 reference and
+    processed alone as in one batch."""
+    gen = torch.Generator().manual_seed(1)
+    vocab = 6000
+    peaked = torch.randn(vocab, generator=gen) * 4
+    flat = torch.randn(vocab, generator=gen) * 0.05
+    tied = peaked.clone()
+    tied[tied.topk(30).indices[20:]] = tied.topk(30).values[19]  # 11 logits tied at rank 20
+    wide_tie = torch.zeros(vocab)  # the k-th logit tied far past the first 256 candidates:
+    wide_tie[:10] = 2.0  # top-p must weigh every tied token, not just the candidates
+    settings = [  # (row, temperature, top_k, top_p)
+        (peaked, 1.0, 0, 0.9), (peaked, 0.7, 40, 0.95), (flat, 1.0, 0, 0.5), (flat, 1.0, 0, 0.97),
+        (peaked, 1.0, 300, 1.0), (flat, 1.0, 5000, 0.99), (tied, 1.0, 20, 1.0), (tied, 1.0, 0, 0.3),
+        (peaked, 1.0, 0, 1.0), (wide_tie, 1.0, 100, 0.2),
+    ]  # fmt: skip
+    logits = torch.stack([row for row, *_ in settings])
+    t, k, p = (torch.tensor(v) for v in list(zip(*settings))[1:])
+    together = process_logits(logits, t, k, p, torch.zeros(len(settings)))
+    for i, (row, temperature, top_k, top_p) in enumerate(settings):
+        alone = process_logits(row[None], t[i : i + 1], k[i : i + 1], p[i : i + 1], torch.zeros(1))
+        assert torch.equal(together[i], alone[0]), i
+        want = kept_reference((row / temperature).double().numpy(), top_k, top_p)
+        assert np.array_equal(together[i].numpy() > 0, want), i
+    assert (together[6] > 0).sum() == 30  # the tied tokens stay together
+    assert (together[9] > 0).sum() == vocab  # 10 tokens of mass 0.012 do not reach 0.2
