@@ -286,6 +286,14 @@ def _split(value: str | None, kind: type = str) -> tuple[Any, ...] | None:
 @click.option("--api-key", envvar="SPECDEC_API_KEY", default=None)
 @click.option("--out", default="eval/results/bench", show_default=True)
 @click.option("--quick", is_flag=True, help="1 question per category, short outputs.")
+@click.option(
+    "--temperature",
+    default=0.0,
+    show_default=True,
+    type=float,
+    help="0: greedy; else every system samples, each turn seeded alike on every engine.",
+)
+@click.option("--top-p", default=1.0, show_default=True, type=float, help="With --temperature.")
 @click.option("--seed", default=0, show_default=True, type=int)
 def bench(
     categories: str | None,
@@ -325,7 +333,7 @@ def bench(
     click.echo(report.markdown(result))
     click.echo(f"results: {config.out}/bench.json, bench.md, " + ", ".join(result["plots"]))
     if result["failed"]:
-        raise click.ClickException("a drafter's greedy output differs from plain decoding")
+        raise click.ClickException("a drafter's output differs from plain decoding")
 
 
 main.add_command(serve)

@@ -3,7 +3,8 @@ load, and by how much.
 
 Modes (``--modes``, comma-separated; default ``offline,load``):
 
-* ``offline`` (:mod:`.offline`): single stream, greedy, every question of a Spec-Bench-format
+* ``offline`` (:mod:`.offline`): single stream, greedy (or sampled, ``--temperature``, each turn
+  seeded alike on every engine), every question of a Spec-Bench-format
   dataset (:mod:`specdec.eval.questions`) on the engine without speculation, with each drafter,
   on ``transformers`` ``generate`` (plain and its assisted generation) and on llama.cpp when
   installed: tokens/s, speedups, acceptance rate, mean accepted length, acceptance per position;
@@ -22,7 +23,7 @@ Modes (``--modes``, comma-separated; default ``offline,load``):
 
 Then a recommendation (:mod:`.recommend`), and in ``out``: ``bench.json`` (every figure and the
 environment), ``bench.md`` and PNG plots. Every ratio compares systems run side by side in this
-one process. A greedy output that differs from plain decoding fails the run.
+one process. An output that differs from plain decoding fails the run.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from specdec.eval.bench.recommend import recommend
 from specdec.eval.bench.systems import (
     PLAIN,
     LlamaCpp,
+    Sampling,
     available_drafters,
     engine_systems,
     hf_systems,
@@ -70,6 +72,8 @@ class BenchConfig:
     drafters: tuple[str, ...] | None = None  # None: every drafter available for the model
     ks: tuple[int, ...] = (8,)  # num_speculative_tokens to try for each drafter
     adaptive: bool = True  # the policy may draft fewer than k where drafting does not pay
+    temperature: float = 0.0  # 0: greedy; else every system samples (offline and load modes)
+    top_p: float = 1.0  # with temperature > 0
     draft_model: str | None = None
     heads: dict[str, str] = field(default_factory=dict)  # kind -> directory
     modes: tuple[str, ...] = ("offline", "load")
@@ -94,6 +98,7 @@ class BenchConfig:
             raise ValueError(f"modes must be some of {MODES}, got {self.modes}")
         if any(k < 1 for k in self.ks):
             raise ValueError(f"every k must be at least 1, got {self.ks}")
+        self.sampling()  # a bad temperature or top_p: the engine's error
         if self.rates is not None and any(r <= 0 for r in self.rates):
             raise ValueError(f"request rates must be positive, got {self.rates}")
         for name in ("requests_per_rate", "load_max_tokens", "max_new_tokens", "max_turns"):
@@ -106,10 +111,13 @@ class BenchConfig:
             self.requests_per_rate = min(self.requests_per_rate, 6)
             self.load_max_tokens = min(self.load_max_tokens, 32)
 
+    def sampling(self) -> Sampling:
+        return Sampling(self.temperature, self.top_p, self.seed)
+
 
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     """Run ``cfg``; write ``bench.json``, ``bench.md`` and the plots under ``cfg.out``; return
-    the results (``result["failed"]``: a drafter's greedy output differed from plain)."""
+    the results (``result["failed"]``: a drafter's output differed from plain decoding's)."""
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     questions = read_questions(cfg.dataset)
@@ -128,6 +136,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     result: dict[str, Any] = {
         "environment": report.environment(cfg.dtype),
         "dataset": str(cfg.dataset),
+        "decoding": cfg.sampling().describe(),
         "modes": list(cfg.modes),
         "notes": [],
     }
@@ -139,10 +148,11 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     if "offline" in cfg.modes:
         systems = list(engines)
         if cfg.with_hf:
-            systems += hf_systems(engines[0].llm, cfg.model, cfg.draft_model)
+            systems += hf_systems(engines[0].llm, cfg.model, cfg.draft_model, cfg.sampling())
         if cfg.peers:
             systems += _peers(cfg, engines[0].llm, result["notes"])
         result["offline"] = run_offline(systems, groups, cfg.max_new_tokens)
+        result["offline"]["decoding"] = cfg.sampling().describe()
     if "load" in cfg.modes:
         result["load"] = _load_mode(cfg, engines, groups, result.get("offline"))
     if "offline" in cfg.modes:
@@ -226,6 +236,7 @@ def _engines(cfg: BenchConfig, notes: list[str]) -> list[Any]:
         cfg.draft_model,
         cfg.heads,
         cfg.adaptive,
+        cfg.sampling(),
         **options,
     )
 
@@ -235,7 +246,7 @@ def _peers(cfg: BenchConfig, llm: Any, notes: list[str]) -> list[Any]:
         notes.append("llama.cpp skipped: it runs only the default model's GGUF file here.")
         return []
     try:
-        return [LlamaCpp(llm.tokenizer.eos_token_id)]
+        return [LlamaCpp(llm.tokenizer.eos_token_id, cfg.sampling())]
     except ImportError:
         notes.append(
             "llama.cpp skipped: llama-cpp-python is not installed (pip install .[llamacpp])."
@@ -273,14 +284,14 @@ def _load_mode(
     systems = _load_systems(cfg, engines, offline)
     rates = list(cfg.rates) if cfg.rates else _default_rates(cfg, chat, requests)
     for system in systems:  # warm up, untimed
-        run_in_process(system.llm, requests[:2], [0.0, 0.0])
+        run_in_process(system.llm, requests[:2], [0.0, 0.0], cfg.sampling())
     curves: dict[str, list[dict[str, float]]] = {s.name: [] for s in systems}
     bar = tqdm(total=len(rates) * len(systems), desc="load", unit="run")
     for i, rate in enumerate(rates):
         arrivals = arrival_times(rate, len(requests), cfg.seed + i)
         for system in systems if i % 2 == 0 else list(reversed(systems)):
             system.llm.engine.scheduler.block_manager.reset_prefix_cache()
-            summary = run_in_process(system.llm, requests, arrivals).summary()
+            summary = run_in_process(system.llm, requests, arrivals, cfg.sampling()).summary()
             curves[system.name].append({"rate": round(rate, 4), **summary})
             bar.update()
     bar.close()

@@ -20,7 +20,7 @@ import random
 import time
 from typing import Any
 
-from specdec import SamplingParams
+from specdec.eval.bench.systems import Sampling
 from specdec.serving.loadgen import LoadConfig, LoadReport, RequestPlan, RequestRecord, run_arrivals
 
 
@@ -37,10 +37,14 @@ def arrival_times(rate: float, num_requests: int, seed: int = 0) -> list[float]:
 
 
 def run_in_process(
-    llm: Any, requests: list[tuple[list[int], int]], arrivals: list[float]
+    llm: Any,
+    requests: list[tuple[list[int], int]],
+    arrivals: list[float],
+    sampling: Sampling | None = None,
 ) -> LoadReport:
     """Feed ``requests`` (prompt ids, new tokens) to ``llm``'s engine at ``arrivals``; every
-    request generates exactly its tokens (EOS ignored), greedily."""
+    request generates exactly its tokens (EOS ignored), greedily unless ``sampling`` says."""
+    sampling = sampling or Sampling()
     engine = llm.engine
     records: dict[int, RequestRecord] = {}
     arrived: dict[int, float] = {}
@@ -51,7 +55,7 @@ def run_in_process(
         now = time.perf_counter()
         while i < len(requests) and start + arrivals[i] <= now:
             prompt, max_tokens = requests[i]
-            params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            params = sampling.params(prompt, max_tokens, ignore_eos=True)
             rid = engine.add_request(prompt, params)
             records[rid] = RequestRecord(streamed=True, status=200)
             arrived[rid] = last[rid] = start + arrivals[i]

@@ -1,4 +1,5 @@
-"""Offline mode: single-stream greedy generation of every question by every system.
+"""Offline mode: single-stream generation of every question by every system, greedy or sampled
+(each turn's seed the same on every engine, so seeded sampling is checked as greedy decoding is).
 
 The systems take turns question by question, the order reversed at every question, so drift in
 the machine's speed hits all alike. A multi-turn question is played turn by turn, each system's

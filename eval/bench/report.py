@@ -67,7 +67,8 @@ def offline_markdown(offline: dict[str, Any]) -> str:
         ceiling = figures["prompt_lookup_ceiling_tokens_per_step"]
         lines.append(f"| {category} | " + " | ".join(cells) + f" | {ceiling:.2f} |")
     lines.append(
-        "\nTokens/s, single stream, greedy (ratio to the engine without speculation). "
+        f"\nTokens/s, single stream, {offline.get('decoding', 'greedy')} (ratio to the engine "
+        "without speculation). "
         "Prompt-lookup ceiling: tokens per target step of an oracle lookup on these outputs."
     )
     if HF in names:
@@ -96,7 +97,7 @@ def offline_markdown(offline: dict[str, Any]) -> str:
                 f"{m['turn']}: first difference at token {m['first_difference']}"
             )
     else:
-        lines.append("\nEvery drafter's greedy output equals plain decoding, turn by turn.")
+        lines.append("\nEvery drafter's output equals plain decoding, turn by turn.")
     return "\n".join(lines) + "\n"
 
 

@@ -1,9 +1,12 @@
 """The systems ``specdec bench`` compares: the engine with each drafter, ``transformers``
-``generate`` (plain and assisted) and llama.cpp, each generating greedily from token ids."""
+``generate`` (plain and assisted) and llama.cpp, each generating from token ids, greedily or
+(``--temperature``) by sampling."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import zlib
+from array import array
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,6 +23,41 @@ HF_DRAFT_MODEL = "hf+draft_model"
 LLAMA_CPP = "llama.cpp"
 
 
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """How every system decodes: greedily (``temperature`` 0), or by sampling."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0  # the run's; each sampled turn's seed is drawn from it and the prompt
+
+    def __post_init__(self) -> None:
+        SamplingParams(temperature=self.temperature, top_p=self.top_p)  # the engine's checks
+
+    def params(self, prompt: list[int], max_tokens: int, **extra: Any) -> SamplingParams:
+        """The engine's parameters for a turn. A sampled turn's seed is a function of the run's
+        seed and the prompt, so that every engine draws the same noise for it: seeded sampling
+        gives plain decoding's tokens whatever the drafter, and each drafter's output is checked
+        against plain decoding's as it is under greedy decoding."""
+        if not self.temperature:
+            return SamplingParams(temperature=0, max_tokens=max_tokens, **extra)
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.turn_seed(prompt),
+            max_tokens=max_tokens,
+            **extra,
+        )
+
+    def turn_seed(self, prompt: list[int]) -> int:
+        return self.seed + zlib.crc32(array("q", prompt).tobytes())
+
+    def describe(self) -> str:
+        if not self.temperature:
+            return "greedy"
+        return f"sampled at temperature {self.temperature}, top_p {self.top_p}, seeded per turn"
+
+
 @dataclass(slots=True)
 class EngineSystem:
     """The engine, with a drafter or without."""
@@ -28,28 +66,39 @@ class EngineSystem:
     llm: LLM
     drafter: str | None  # None: plain decoding
     k: int | None
+    sampling: Sampling = field(default_factory=Sampling)
 
     def generate(self, prompt: list[int], max_tokens: int) -> list[int]:
-        params = SamplingParams(temperature=0, max_tokens=max_tokens)
+        params = self.sampling.params(prompt, max_tokens)
         return self.llm.generate([prompt], params)[0].token_ids
 
 
 @dataclass(slots=True)
 class HFSystem:
-    """``transformers`` ``generate``, greedy; ``extra``: its assisted-generation arguments."""
+    """``transformers`` ``generate``; ``extra``: its assisted-generation arguments."""
 
     name: str
     model: Any
     extra: dict[str, Any]
     pad_token_id: int
+    sampling: Sampling = field(default_factory=Sampling)
 
     def generate(self, prompt: list[int], max_tokens: int) -> list[int]:
+        sampled: dict[str, Any] = {"do_sample": False}
+        if self.sampling.temperature:  # its own sampler, seeded: no top-k (its default is 50)
+            torch.manual_seed(self.sampling.turn_seed(prompt))
+            sampled = {
+                "do_sample": True,
+                "temperature": self.sampling.temperature,
+                "top_p": self.sampling.top_p,
+                "top_k": 0,
+            }
         out = self.model.generate(
             torch.tensor([prompt]),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             max_new_tokens=max_tokens,
-            do_sample=False,
             pad_token_id=self.pad_token_id,
+            **sampled,
             **self.extra,
         )
         return out[0, len(prompt) :].tolist()
@@ -57,17 +106,18 @@ class HFSystem:
 
 class LlamaCpp:
     """llama.cpp (``llama-cpp-python``, the ``llamacpp`` extra) on the default model's GGUF
-    file, greedy, fed token ids; it stops at the end-of-sequence token, as the engine does."""
+    file, fed token ids; it stops at the end-of-sequence token, as the engine does."""
 
     name = LLAMA_CPP
 
-    def __init__(self, eos_token_id: int | None = None) -> None:
+    def __init__(self, eos_token_id: int | None = None, sampling: Sampling | None = None) -> None:
         from llama_cpp import Llama  # type: ignore[import-not-found]
 
         from specdec.loader import _default_gguf_path
 
         threads = torch.get_num_threads()
         self.eos_token_id = eos_token_id
+        self.sampling = sampling or Sampling()
         self.model = Llama(
             str(_default_gguf_path()), n_ctx=4096, n_threads=threads, verbose=False, seed=0
         )
@@ -75,7 +125,13 @@ class LlamaCpp:
     def generate(self, prompt: list[int], max_tokens: int) -> list[int]:
         self.model.reset()
         tokens: list[int] = []
-        for token in self.model.generate(prompt, temp=0.0, top_k=1, reset=True):
+        if self.sampling.temperature:  # its own sampler, seeded per turn, top_p alone
+            self.model.set_seed(self.sampling.turn_seed(prompt) % 2**31)
+            how = {"temp": self.sampling.temperature, "top_p": self.sampling.top_p}
+            how |= {"top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0}  # its defaults: 40, 0.05
+        else:
+            how = {"temp": 0.0, "top_k": 1}
+        for token in self.model.generate(prompt, reset=True, **how):
             tokens.append(int(token))
             if len(tokens) == max_tokens or token == self.eos_token_id:
                 break
@@ -106,12 +162,14 @@ def engine_systems(
     draft_model: str | None = None,
     heads: dict[str, str] | None = None,
     adaptive: bool = True,
+    sampling: Sampling | None = None,
     **engine_options: Any,
 ) -> list[EngineSystem]:
     """The engine without speculation, then one per (drafter, k); ``adaptive``: whether the
     policy may draft fewer than k (or none) where drafting does not pay."""
     options: dict[str, Any] = {"dtype": dtype, "kv_cache_memory_gb": 0.5, **engine_options}
-    systems = [EngineSystem(PLAIN, LLM(model, **options), None, None)]
+    sampling = sampling or Sampling()
+    systems = [EngineSystem(PLAIN, LLM(model, **options), None, None, sampling)]
     for drafter in drafters:
         extra: dict[str, Any] = {}
         base = drafter.removesuffix(LOOKUP_SUFFIX)  # "eagle+lookup": eagle, lookup first
@@ -124,11 +182,14 @@ def engine_systems(
         for k in ks:
             name = f"{drafter}" if len(ks) == 1 else f"{drafter} k={k}"
             spec = SpecConfig(base, k, adaptive, **extra)
-            systems.append(EngineSystem(name, LLM(model, **options, speculative=spec), drafter, k))
+            llm = LLM(model, **options, speculative=spec)
+            systems.append(EngineSystem(name, llm, drafter, k, sampling))
     return systems
 
 
-def hf_systems(llm: LLM, model: Any, draft_model: str | None) -> list[HFSystem]:
+def hf_systems(
+    llm: LLM, model: Any, draft_model: str | None, sampling: Sampling | None = None
+) -> list[HFSystem]:
     """``transformers`` ``generate`` on the same checkpoint: plain, with its prompt lookup, and
     with the draft model as its assistant when one is given."""
     from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -142,11 +203,13 @@ def hf_systems(llm: LLM, model: Any, draft_model: str | None) -> list[HFSystem]:
         hf.eval()
     pad = llm.tokenizer.pad_token_id
     pad = pad if pad is not None else llm.tokenizer.eos_token_id or 0
+    sampling = sampling or Sampling()
     systems = [
-        HFSystem(HF, hf, {}, pad),
-        HFSystem(HF_PROMPT_LOOKUP, hf, {"prompt_lookup_num_tokens": 10}, pad),
+        HFSystem(HF, hf, {}, pad, sampling),
+        HFSystem(HF_PROMPT_LOOKUP, hf, {"prompt_lookup_num_tokens": 10}, pad, sampling),
     ]
     if draft_model:
         assistant = AutoModelForCausalLM.from_pretrained(draft_model, dtype=llm.dtype).eval()
-        systems.append(HFSystem(HF_DRAFT_MODEL, hf, {"assistant_model": assistant}, pad))
+        extra = {"assistant_model": assistant}
+        systems.append(HFSystem(HF_DRAFT_MODEL, hf, extra, pad, sampling))
     return systems

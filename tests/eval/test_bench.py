@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -137,7 +138,8 @@ def test_a_tiny_model_run_writes_the_json_markdown_and_plots(tmp_path):
     assert saved["recommendation"]["reason"]
     report = (out / "bench.md").read_text()
     assert "## Offline, single stream" in report and "## Under load" in report
-    assert "Every drafter's greedy output equals plain decoding" in report
+    assert "Every drafter's output equals plain decoding" in report
+    assert "single stream, greedy" in report and saved["decoding"] == "greedy"
     assert "**Recommendation.**" in report and "Best exact drafter per category: qa" in report
     for png in ("speedup_by_category.png", "latency_vs_rate.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
@@ -239,11 +241,33 @@ def test_a_greedy_mismatch_is_reported_and_fails_the_run(make_llm, tmp_path, mon
     monkeypatch.setattr(bench.report, "markdown", lambda result: "report")
     result = CliRunner().invoke(main, ["bench", "--quick", "--out", str(tmp_path / "o")])
     assert result.exit_code != 0
-    assert "greedy output differs from plain decoding" in result.output
+    assert "output differs from plain decoding" in result.output
+
+
+def test_a_sampled_run_seeds_each_turn_alike_and_checks_drafters_against_plain(tmp_path):
+    """At temperature 1 every engine draws a turn's tokens with the same seed, so a drafter must
+    still give plain decoding's output; the seed follows the run's and the prompt."""
+    config = tiny_config(tmp_path, modes=("offline",), with_hf=False, temperature=1.0, top_p=0.9)
+    result = run_bench(config)
+    assert result["failed"] is False and not result["offline"]["mismatches"]
+    assert result["decoding"].startswith("sampled at temperature 1.0, top_p 0.9")
+    assert (
+        "single stream, sampled at temperature 1.0" in (tmp_path / "out" / "bench.md").read_text()
+    )
+    sampling = config.sampling()
+    params = sampling.params([5, 6, 7], 4)
+    assert (params.temperature, params.top_p, params.max_tokens) == (1.0, 0.9, 4)
+    assert params.seed == sampling.params([5, 6, 7], 9).seed != sampling.params([5, 6], 4).seed
+    assert replace(config, seed=1).sampling().params([5, 6, 7], 4).seed != params.seed
+    assert BenchConfig(out=tmp_path).sampling().params([5], 4).temperature == 0  # greedy
 
 
 def test_bad_options_get_a_clear_error(tmp_path):
     runner = CliRunner()
+    result = runner.invoke(main, ["bench", "--temperature", "-1"])
+    assert result.exit_code != 0 and "temperature" in result.output
+    result = runner.invoke(main, ["bench", "--temperature", "1", "--top-p", "0"])
+    assert result.exit_code != 0 and "top_p must be in" in result.output
     result = runner.invoke(main, ["bench", "--modes", "offline,fast"])
     assert result.exit_code != 0 and "modes must be some of" in result.output
     result = runner.invoke(main, ["bench", "--k", "4,x"])
