@@ -173,10 +173,13 @@ def test_top_k_top_p_on_a_large_vocabulary_keep_what_the_definition_keeps():
     tied[tied.topk(30).indices[20:]] = tied.topk(30).values[19]  # 11 logits tied at rank 20
     wide_tie = torch.zeros(vocab)  # the k-th logit tied far past the first 256 candidates:
     wide_tie[:10] = 2.0  # top-p must weigh every tied token, not just the candidates
+    guided = torch.full((vocab,), float("-inf"))  # a guide allows three tokens
+    guided[[5, 900, 4000]] = torch.tensor([1.0, 3.0, 2.0])
     settings = [  # (row, temperature, top_k, top_p)
         (peaked, 1.0, 0, 0.9), (peaked, 0.7, 40, 0.95), (flat, 1.0, 0, 0.5), (flat, 1.0, 0, 0.97),
         (peaked, 1.0, 300, 1.0), (flat, 1.0, 5000, 0.99), (tied, 1.0, 20, 1.0), (tied, 1.0, 0, 0.3),
-        (peaked, 1.0, 0, 1.0), (wide_tie, 1.0, 100, 0.2),
+        (peaked, 1.0, 0, 1.0), (wide_tie, 1.0, 100, 0.2), (guided, 1.0, 0, 0.999),
+        (guided, 0.5, 2, 0.95), (peaked, 1.0, 0, 0.01),
     ]  # fmt: skip
     logits = torch.stack([row for row, *_ in settings])
     t, k, p = (torch.tensor(v) for v in list(zip(*settings))[1:])
@@ -185,6 +188,8 @@ def test_top_k_top_p_on_a_large_vocabulary_keep_what_the_definition_keeps():
         alone = process_logits(row[None], t[i : i + 1], k[i : i + 1], p[i : i + 1], torch.zeros(1))
         assert torch.equal(together[i], alone[0]), i
         want = kept_reference((row / temperature).double().numpy(), top_k, top_p)
-        assert np.array_equal(together[i].numpy() > 0, want), i
+        assert np.array_equal(together[i].numpy() > 0, want & np.isfinite(row.numpy())), i
     assert (together[6] > 0).sum() == 30  # the tied tokens stay together
     assert (together[9] > 0).sum() == vocab  # 10 tokens of mass 0.012 do not reach 0.2
+    assert (together[10] > 0).sum() == 3 and (together[11] > 0).sum() == 2
+    assert (together[12] > 0).sum() == 1  # top_p 0.01: the best token alone
