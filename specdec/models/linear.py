@@ -112,13 +112,15 @@ def prepack_linears(model: nn.Module, invariant: bool = False) -> int:
 
 
 def fast_linears(module: nn.Module) -> nn.Module:
-    """Run ``module``'s CPU linears on the kernels the target uses where their result need not
-    be batch-invariant (a drafter's: its drafts change speed, never output): float32 few-row
-    steps on the row kernel, bfloat16 on oneDNN-packed weights. A one-row float32 GEMV of a
-    drafter's shapes (576 x 3072, 4096 x 576) takes about half as long there as through
-    ``F.linear``. Leaves a module on another device as it is; returns it."""
+    """Run ``module``'s CPU linears on the target's kernels, for a drafter's few-row steps (its
+    drafts change speed, never output): float32 few-row steps on the row kernel; bfloat16 packed
+    in pairs for the row kernel where that runs at vector speed (AVX-512), else on oneDNN-packed
+    weights. At a drafter's shapes either row kernel took about half the time of the
+    alternative for one row (``F.linear`` in float32, oneDNN in bfloat16), and oneDNN won in
+    bfloat16 only from about 32 rows on, a head's catch-up on a prompt. Leaves a module on
+    another device as it is; returns it."""
     if all(p.device.type == "cpu" for p in module.parameters()):
-        use_row_kernels(module)
+        use_row_kernels(module, invariant=batch_invariant_by_default(torch.bfloat16))
         prepack_linears(module)
     return module
 

@@ -19,7 +19,12 @@ from specdec.drafters.eagle import EagleHead
 from specdec.drafters.heads import WEIGHTS_FILE
 from specdec.drafters.registry import UNCHECKED_CUDA_ENV
 from specdec.drafters.train_heads import TrainConfig, train
-from specdec.models.linear import PackedLinear, RowLinear, can_prepack
+from specdec.models.linear import (
+    PackedLinear,
+    RowLinear,
+    batch_invariant_by_default,
+    can_prepack,
+)
 from specdec.runner import ATTENTION_BACKEND_ENV
 from specdec.sequence import Sequence
 from specdec.verifier import draft_tokens
@@ -158,18 +163,21 @@ def test_greedy_output_equals_plain_decoding(make_llm, trained, kind, dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_heads_on_the_cpu_run_the_targets_fast_linears(make_llm, trained, kind, dtype):
     """Through ``F.linear`` an EAGLE draft step cost a sixth of a target step; on the row kernels
-    (float32) or oneDNN-packed weights (bfloat16) it costs half that, and computes the same."""
+    (float32, and bfloat16 packed in pairs with AVX-512) or oneDNN-packed weights (bfloat16
+    elsewhere) it costs half that, and computes the same."""
     spec = make_llm(dtype=dtype, speculative=SpecConfig(kind, 4, heads=trained[kind]))
     drafter = spec.engine.drafter
     heads = drafter.head if kind == "eagle" else drafter.heads
     vocab = drafter.vocab if kind == "eagle" else drafter.head
-    fast = RowLinear if dtype == "float32" else PackedLinear
+    pairs = dtype == "bfloat16" and batch_invariant_by_default(torch.bfloat16)
+    fast = RowLinear if dtype == "float32" or pairs else PackedLinear
     if fast is PackedLinear and not can_prepack(torch.bfloat16):
         pytest.skip("no oneDNN bf16 on this CPU")
     linears = [
         m for m in heads.modules() if isinstance(m, (torch.nn.Linear, RowLinear, PackedLinear))
     ]
     assert linears and all(isinstance(m, fast) for m in [*linears, vocab.linear[0]])
+    assert not pairs or all(m.packed is not None for m in [*linears, vocab.linear[0]])
     hidden = torch.randn(3, vocab.weight.shape[1]).to(vocab.weight.dtype)
     expected = (hidden.float() @ vocab.weight.float().T).float()
     torch.testing.assert_close(vocab.logits(hidden), expected, rtol=2e-2, atol=2e-2)
