@@ -49,6 +49,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -93,45 +94,54 @@ class QueryGroup:
         invariant: bool,
         triton: bool = False,
     ) -> QueryGroup:
-        q_len = torch.tensor(query_lens, dtype=torch.long)  # [G]
-        c_len = torch.tensor(context_lens, dtype=torch.long)  # [G]
+        # The index arithmetic runs in numpy: on arrays this small one torch call costs about
+        # what numpy takes for all of it, and this runs before every forward, drafts' included.
+        q_len = np.asarray(query_lens, dtype=np.int64)  # [G]
+        c_len = np.asarray(context_lens, dtype=np.int64)  # [G]
         max_q, max_c = max(query_lens), max(context_lens)
         if invariant:
             max_c = -(-max_c // KEY_ALIGN) * KEY_ALIGN
         max_blocks = -(-max_c // block_size)
-        tables = torch.tensor(
-            [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in block_tables],
-            dtype=torch.long,
-        ).view(len(block_tables), max_blocks)  # [G, max_blocks], padded with block 0
-        j = torch.arange(max_q)  # [Q]
+        tables = np.zeros((len(block_tables), max_blocks), dtype=np.int64)  # padded with block 0
+        for row, table in zip(tables, block_tables):
+            used = table[:max_blocks]
+            row[: len(used)] = used
+        j = np.arange(max_q)  # [Q]
         query_valid = j < q_len[:, None]  # [G, Q]
-        first = torch.tensor(starts, dtype=torch.long)  # [G]
-        query_index = torch.where(query_valid, first[:, None] + j, 0)  # [G, Q]
-        pos = torch.arange(max_c)  # [C]
+        first = np.asarray(starts, dtype=np.int64)  # [G]
+        query_index = np.where(query_valid, first[:, None] + j, 0)  # [G, Q]
+        pos = np.arange(max_c)  # [C]
         key_slots = tables[:, pos // block_size] * block_size + pos % block_size  # [G, C]
         # Query j sits at position c - q + j and sees keys at positions <= its own; padding
         # rows see key 0 only, so that their softmax stays finite.
-        query_pos = torch.where(query_valid, (c_len - q_len)[:, None] + j, 0)  # [G, Q]
-        visible = (pos <= query_pos[:, :, None]) & (pos < c_len[:, None, None])  # [G, Q, C]
-        mask: torch.Tensor | None = visible.unsqueeze(1)  # [G, 1, Q, C]
-        if not invariant and max_q == 1 and bool((c_len == max_c).all()):
-            mask = None  # one query per sequence and equal contexts: every key is visible
-        valid_rows = query_valid.flatten().nonzero().squeeze(1)  # [M]
+        query_pos = np.where(query_valid, (c_len - q_len)[:, None] + j, 0)  # [G, Q]
+        mask: torch.Tensor | None = None  # one query per sequence and equal contexts: sees all
+        if invariant or max_q > 1 or not (c_len == max_c).all():
+            visible = (pos <= query_pos[:, :, None]) & (pos < c_len[:, None, None])  # [G, Q, C]
+            mask = _tensor(visible[:, None])  # [G, 1, Q, C]
+        valid_rows = np.flatnonzero(query_valid)  # [M]
         group = QueryGroup(
-            query_index,
-            key_slots,
+            _tensor(query_index),
+            _tensor(key_slots),
             mask,
-            query_index.flatten()[valid_rows],
-            valid_rows,
-            q_len,
-            c_len,
+            _tensor(query_index.reshape(-1)[valid_rows]),
+            _tensor(valid_rows),
+            _tensor(q_len),
+            _tensor(c_len),
             int((c_len - q_len).max()),
         )
         if triton:
-            group.block_tables, group.seq_lens = tables.int(), c_len.int()
-            group.cu_query_lens = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-            torch.cumsum(q_len, 0, out=group.cu_query_lens[1:])
+            group.block_tables = _tensor(tables.astype(np.int32))
+            group.seq_lens = _tensor(c_len.astype(np.int32))
+            cu_query_lens = np.zeros(len(query_lens) + 1, dtype=np.int32)
+            np.cumsum(q_len, out=cu_query_lens[1:], dtype=np.int32)
+            group.cu_query_lens = _tensor(cu_query_lens)
         return group
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    """A contiguous tensor of ``array`` (numpy's fancy indexing may leave another layout)."""
+    return torch.from_numpy(np.ascontiguousarray(array))
 
 
 @dataclass(slots=True)

@@ -78,3 +78,33 @@ def test_mixed_step_equals_causal_attention_per_sequence(invariant: bool) -> Non
         ).transpose(0, 1)[c - n :]
         tol = 2e-2 if invariant else 1e-5
         torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_a_query_groups_indices_are_what_each_query_sees(invariant: bool) -> None:
+    """Every index tensor of a group of a decode, a verification and a padded neighbour, spelled
+    out query by query: the row it reads, the slots of its keys, the keys its mask lets it see;
+    contiguous int64 (bool for the mask), as the C++ kernel takes them."""
+    query_lens, context_lens = [1, 4, 2], [9, 6, 13]
+    group = build(query_lens, context_lens, invariant).groups[0]
+    tables = tables_for(context_lens)
+    width = group.key_slots.shape[1]
+    assert width >= max(context_lens) and (not invariant or width % 64 == 0)
+    first = 0
+    for g, (q, c) in enumerate(zip(query_lens, context_lens)):
+        padded = [tables[g][p // BLOCK] * BLOCK + p % BLOCK for p in range(c)]
+        assert group.key_slots[g, :c].tolist() == padded
+        for j in range(group.query_index.shape[1]):
+            assert group.query_index[g, j] == (first + j if j < q else 0)
+            seen = (
+                [p <= c - q + j for p in range(width)] if j < q else [p == 0 for p in range(width)]
+            )
+            assert group.mask is not None and group.mask[g, 0, j].tolist() == seen
+        first += q
+    assert group.valid_index.tolist() == list(range(sum(query_lens)))
+    assert group.valid_rows.tolist() == [0, 4, 5, 6, 7, 8, 9]
+    assert group.query_lens.tolist() == query_lens and group.context_lens.tolist() == context_lens
+    assert group.max_start == 11
+    for t in (group.query_index, group.key_slots, group.valid_index, group.valid_rows):
+        assert t.dtype == torch.int64 and t.is_contiguous()
+    assert group.mask.dtype == torch.bool and group.mask.is_contiguous()
