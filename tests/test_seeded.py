@@ -107,7 +107,8 @@ def test_seeded_request_in_a_mixed_batch(make_llm, plain, speculative, options):
 
 
 def test_request_without_speculation_among_drafting_neighbours(make_llm, plain):
-    llm = make_llm(speculative=LOOKUP)
+    # a fixed depth: on a busy machine the adaptive policy may stop drafting before a rejection
+    llm = make_llm(speculative={**LOOKUP, "adaptive": False})
     prompts, params = mixed_batch(replace(SEEDED, num_speculative_tokens=0))
     out = llm.generate(prompts, params)[TARGET]
     assert out.token_ids == plain[0] and out.metrics.num_draft_tokens == 0
