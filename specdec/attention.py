@@ -104,8 +104,7 @@ class QueryGroup:
         max_blocks = -(-max_c // block_size)
         tables = np.zeros((len(block_tables), max_blocks), dtype=np.int64)  # padded with block 0
         for row, table in zip(tables, block_tables):
-            used = table[:max_blocks]
-            row[: len(used)] = used
+            row[: min(len(table), max_blocks)] = table[:max_blocks]
         j = np.arange(max_q)  # [Q]
         query_valid = j < q_len[:, None]  # [G, Q]
         first = np.asarray(starts, dtype=np.int64)  # [G]
@@ -131,11 +130,8 @@ class QueryGroup:
             int((c_len - q_len).max()),
         )
         if triton:
-            group.block_tables = _tensor(tables.astype(np.int32))
-            group.seq_lens = _tensor(c_len.astype(np.int32))
-            cu_query_lens = np.zeros(len(query_lens) + 1, dtype=np.int32)
-            np.cumsum(q_len, out=cu_query_lens[1:], dtype=np.int32)
-            group.cu_query_lens = _tensor(cu_query_lens)
+            group.block_tables, group.seq_lens = _tensor(tables).int(), _tensor(c_len).int()
+            group.cu_query_lens = _tensor(np.cumsum([0, *query_lens], dtype=np.int32))
         return group
 
 
