@@ -247,9 +247,11 @@ def test_a_greedy_mismatch_is_reported_and_fails_the_run(make_llm, tmp_path, mon
 def test_a_sampled_run_seeds_each_turn_alike_and_checks_drafters_against_plain(tmp_path):
     """At temperature 1 every engine draws a turn's tokens with the same seed, so a drafter must
     still give plain decoding's output; the seed follows the run's and the prompt."""
-    config = tiny_config(tmp_path, modes=("offline",), with_hf=False, temperature=1.0, top_p=0.9)
+    config = tiny_config(tmp_path, modes=("offline", "load"), temperature=1.0, top_p=0.9)
     result = run_bench(config)
     assert result["failed"] is False and not result["offline"]["mismatches"]
+    assert result["offline"]["overall"]["systems"]["hf"]["tokens"] > 0  # transformers sampled
+    assert all(p["requests_ok"] == 4 for p in result["load"]["curves"]["prompt_lookup"])
     assert result["decoding"].startswith("sampled at temperature 1.0, top_p 0.9")
     assert (
         "single stream, sampled at temperature 1.0" in (tmp_path / "out" / "bench.md").read_text()
