@@ -30,7 +30,7 @@ from specdec.models.linear import fast_linears
 from specdec.models.llama import ModelArchConfig
 from specdec.sampling import row_argmax
 from specdec.sequence import Sequence
-from specdec.verifier import draft_tokens, is_unconstrained
+from specdec.verifier import draft_tokens, plain_greedy
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "heads.safetensors"
 DEFAULT_HEADS_DIR = Path(__file__).parent / "data" / "heads"  # shipped heads, by kind
@@ -196,6 +196,6 @@ class DraftVocabHead:
         vocabulary's logits (its ids ascend, so ties fall as over the full row), taken without
         building the full rows."""
         small = self.logits(hidden)
-        if all(s.params.is_greedy and is_unconstrained(s, len(s.spec_token_ids)) for s in seqs):
+        if plain_greedy(seqs):
             return self.draft_vocab[row_argmax(small)].tolist()
         return draft_tokens(self._full(small), seqs)

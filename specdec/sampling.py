@@ -94,8 +94,9 @@ def _top_k_top_p(
     vocab = logits.shape[1]
     cut = torch.full((len(logits),), float("-inf"), device=logits.device)  # [N]
     pending = (use_k | use_p).nonzero().squeeze(1).tolist()
+    k_of = torch.where(use_k, top_k, 0).tolist()  # [N] each row's k, 0 where top-k is off
     for size in (*(c for c in CANDIDATES if c < vocab), vocab):
-        rows = [r for r in pending if size == vocab or not use_k[r] or int(top_k[r]) <= size]
+        rows = [r for r in pending if size == vocab or k_of[r] <= size]
         if not rows:
             continue
         index = torch.tensor(rows, device=logits.device)

@@ -233,17 +233,23 @@ def draft_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     [len(seqs), V] (changed in place): the target's rule (:func:`next_tokens`, keyed by the
     drafted position) on logits constrained as the target's row there will be
     (:func:`constrain_rows`: bias, ``min_tokens``, penalties, a guide), so that a draft the guide
-    forbids is never proposed, only to be rejected. Where every row is greedy and
-    :func:`is_unconstrained`, that rule is the argmax of the raw logits, taken at once."""
-    positions = [len(seq.spec_token_ids) for seq in seqs]
-    if all(s.params.is_greedy and is_unconstrained(s, j) for s, j in zip(seqs, positions)):
+    forbids is never proposed, only to be rejected. Where :func:`plain_greedy` holds, that rule
+    is the argmax of the raw logits, taken at once."""
+    if plain_greedy(seqs):
         return row_argmax(logits).tolist()
+    positions = [len(seq.spec_token_ids) for seq in seqs]
     constrain_rows(seqs, logits, positions)
     dead = ~torch.isfinite(logits).any(dim=1)  # a reduced draft vocabulary the guide excludes:
     if dead.any():  # any draft then, which the target will reject
         logits[dead] = 0.0
     keys = [(seq.seed, seq.num_tokens + j) for seq, j in zip(seqs, positions)]
     return next_tokens(logits, [seq.params for seq in seqs], keys)
+
+
+def plain_greedy(seqs: list[Sequence]) -> bool:
+    """Whether every sequence's next draft is the argmax of its raw logits: greedy, and
+    :func:`is_unconstrained` at the draft position it is at."""
+    return all(s.params.is_greedy and is_unconstrained(s, len(s.spec_token_ids)) for s in seqs)
 
 
 def is_unconstrained(seq: Sequence, j: int) -> bool:

@@ -95,8 +95,8 @@ def test_rows_after_a_mismatch_are_not_sampled(monkeypatch) -> None:
 
 
 def test_a_row_is_unconstrained_only_when_constrain_rows_leaves_it_as_it_is():
-    """The heads' greedy shortcut rests on this: whatever ``constrain_rows`` would change, the
-    predicate must say so."""
+    """``plain_greedy``'s shortcuts (draft_tokens', the heads') rest on this: whatever
+    ``constrain_rows`` would change, the predicate must say so."""
     cases = {
         "plain": (SamplingParams(temperature=0, max_tokens=8), True),
         "bias": (SamplingParams(temperature=0, max_tokens=8, logit_bias={3: 5.0}), False),
