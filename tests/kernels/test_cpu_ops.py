@@ -221,10 +221,10 @@ def test_cached_attention_matches_sdpa_and_is_row_invariant(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cached_attention_rows_do_not_depend_on_how_the_work_is_cut(dtype: torch.dtype) -> None:
     """The kernel cuts a call into work items by how much it holds and how many threads share
-    it: one query head per item for a lone decode, one KV head for a few sequences, whole
-    sequences (every head) for many, tiles of 16 queries zig-zagged over a long chunk, and (the
-    float32 path) a KV head's query heads split where two threads' runs meet. A query's output
-    must not notice."""
+    it: one query head per item for a lone decode of few keys, one KV head for a few sequences
+    (and, in bfloat16, for a lone decode of many keys), whole sequences (every head) for many,
+    tiles of 16 queries zig-zagged over a long chunk, and (the float32 path) a KV head's query
+    heads split where two threads' runs meet. A query's output must not notice."""
     torch.manual_seed(5)
     heads, kv_heads, head_dim, block = 9, 3, 64, 16
     lengths = [200, *torch.randint(30, 150, (19,)).tolist()]
@@ -235,20 +235,24 @@ def test_cached_attention_rows_do_not_depend_on_how_the_work_is_cut(dtype: torch
     k_cache, v_cache = (torch.randn(next_block, block, kv_heads, head_dim).to(dtype) for _ in "kv")
     q = torch.randn(200, heads, head_dim).to(dtype)  # row i: the query at position i of seq 0
 
-    def attend(query_lens: list[int], seqs: list[int]) -> torch.Tensor:
-        """Seq 0's queries up to position 199 (its last query_lens[0]), beside decodes."""
+    def attend(query_lens: list[int], seqs: list[int], end: int = 200) -> torch.Tensor:
+        """Seq 0's queries up to position end - 1 (its last query_lens[0]), beside decodes."""
         group = QueryGroup.build(
-            query_lens, [lengths[i] for i in seqs], [tables[i] for i in seqs],
+            query_lens, [end, *[lengths[i] for i in seqs[1:]]], [tables[i] for i in seqs],
             [0, *[query_lens[0]] * (len(seqs) - 1)], block, invariant=True,
         )  # fmt: skip
-        rows = torch.cat([q[200 - query_lens[0] :], q[199:200]])  # neighbours reuse one query
+        rows = torch.cat([q[end - query_lens[0] : end], q[199:200]])  # neighbours reuse one
         out = ext().cached_attention(rows, k_cache, v_cache, group.query_index,
                                      group.key_slots, group.query_lens, group.context_lens,
                                      0.125)  # fmt: skip
-        return out[0, query_lens[0] - 1]  # seq 0's query at position 199
+        return out[0, query_lens[0] - 1]  # seq 0's query at position end - 1
 
-    alone = attend([1], [0])  # one query head per item
+    few_keys = attend([1], [0], end=100)  # one query head per item
+    assert torch.equal(few_keys, attend([1, 1, 1], [0, 1, 2], end=100))
+    assert torch.equal(few_keys, attend([3], [0], end=100))
+    alone = attend([1], [0])  # 200 keys: one KV head per item in bfloat16
     assert torch.equal(alone, attend([1, 1, 1], [0, 1, 2]))  # one KV head per item
+    assert torch.equal(alone, attend([2], [0]))  # two queries of 200 keys: one query head
     assert torch.equal(alone, attend([1] * 20, list(range(20))))  # whole sequences
     assert torch.equal(alone, attend([9, 1, 1], [0, 1, 2]))  # the last of a verification
     assert torch.equal(alone, attend([150], [0]))  # the last of a chunk of 10 tiles
