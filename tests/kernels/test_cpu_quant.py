@@ -91,6 +91,19 @@ def test_kernel_matches_the_dequantizing_reference(bits, dtype, shape, int8_acti
     torch.testing.assert_close(got.float(), expected.float(), **tolerance)
 
 
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 8])
+def test_bf16_activations_quantize_as_their_float32_values(bits: int) -> None:
+    """A bfloat16 row is quantized to int8 as read, widened exactly: the same codes, scales and
+    sums as the float32 row of the same values, so the same float32 totals before the output's
+    rounding to bf16."""
+    packed = pack(random_weight((576, 100), bits), True)
+    x = (torch.randn(9, 576) * torch.logspace(-3, 2, 576)).to(torch.bfloat16)
+    from_bf16 = quant_linear(cpu_ops.extension(), x, packed)
+    from_float = quant_linear(cpu_ops.extension(), x.float(), packed)
+    assert torch.equal(from_bf16, from_float.to(torch.bfloat16))
+
+
 def _check_rows(kernels, bits: int, dtype: torch.dtype, int8_activations: bool) -> None:  # noqa: ANN001
     for shape in SHAPES:
         packed = pack(random_weight(shape, bits), int8_activations)
@@ -125,12 +138,13 @@ def test_other_builds_give_the_same_bits(build: str) -> None:
     other = cpu_ops._build(flags, f"specdec_cpu_ops_{build.replace('-', '_')}")
     for bits in (4, 8):
         for int8_activations in A8:
-            _check_rows(other, bits, torch.float32, int8_activations)
-            packed = pack(random_weight((576, 40), bits), int8_activations)
-            x = torch.randn(40, 576)
-            assert torch.equal(
-                quant_linear(other, x, packed), quant_linear(cpu_ops.extension(), x, packed)
-            )
+            for dtype in (torch.float32, torch.bfloat16):  # bf16 rows are read as bf16
+                _check_rows(other, bits, dtype, int8_activations)
+                packed = pack(random_weight((576, 40), bits), int8_activations)
+                x = torch.randn(40, 576).to(dtype)
+                assert torch.equal(
+                    quant_linear(other, x, packed), quant_linear(cpu_ops.extension(), x, packed)
+                )
 
 
 @needs_kernels
