@@ -250,7 +250,7 @@ def test_cached_attention_rows_do_not_depend_on_how_the_work_is_cut(dtype: torch
     few_keys = attend([1], [0], end=100)  # one query head per item
     assert torch.equal(few_keys, attend([1, 1, 1], [0, 1, 2], end=100))
     assert torch.equal(few_keys, attend([3], [0], end=100))
-    alone = attend([1], [0])  # 200 keys: one KV head per item in bfloat16
+    alone = attend([1], [0])  # 200 keys: one KV head per item (bf16 on vdpbf16ps)
     assert torch.equal(alone, attend([1, 1, 1], [0, 1, 2]))  # one KV head per item
     assert torch.equal(alone, attend([2], [0]))  # two queries of 200 keys: one query head
     assert torch.equal(alone, attend([1] * 20, list(range(20))))  # whole sequences
