@@ -313,10 +313,15 @@ constexpr int64_t kPrefetch = 32;  // keys ahead of the scores being computed wh
 
 // acc[r] += p[r][c] * value[c] for R rows and C pieces of the head dim from `offset`, over each
 // key c row r sees (its first visible[r]), then row r is stored to outs[r] + the piece's start.
+// Out of line: inlined into the kernel's item loop, GCC kept the R x C sums in memory, a load
+// and a store around every multiply-add; on its own it keeps them in registers (the same adds in
+// the same order, so the same bits): a 9-row float32 verification at 1,000 keys 259 -> 193 us,
+// a 930-token prompt chunk (batch-invariant mode) 16.7 -> 12.1 ms a layer.
 template <typename T, int R, int C>
-inline void weigh_values(const T* v_cache, const int64_t* slots, int64_t slot_stride,
-                         int64_t offset, const float* const* probs, const int64_t* visible,
-                         T* const* outs) {
+__attribute__((noinline)) void weigh_values(const T* v_cache, const int64_t* slots,
+                                            int64_t slot_stride, int64_t offset,
+                                            const float* const* probs, const int64_t* visible,
+                                            T* const* outs) {
   __m512 acc[R][C];
   for (int r = 0; r < R; r++)
     for (int ch = 0; ch < C; ch++) acc[r][ch] = _mm512_setzero_ps();
