@@ -36,6 +36,10 @@
 
 #include "cpu_simd.h"
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 using namespace specdec_cpu;
@@ -105,6 +109,94 @@ inline void quant_tile(const float* x, const float* xsum, const uint8_t* codes,
     }
   }
   for (int r = 0; r < R; r++) _mm512_storeu_ps(totals + r * kFeatures, total[r]);
+}
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+
+// AVX2: the AVX-512 tile's operations, 8 features to a vector. `NH` halves of the block's 16
+// features (both for a few rows, one for more, so that a tile's sums fit in 16 registers), and
+// each lane computes what the AVX-512 lane computes, in the same order: the same bits.
+template <int R, int BITS, int NH>
+inline void quant_half_tile(const float* x, const float* xsum, const uint8_t* codes,
+                            const c10::Half* scales, const c10::Half* mins, const QuantLayout& l,
+                            int64_t block, int h0, float* totals /* [R][16] */) {
+  __m256 total[R][NH];
+  for (int r = 0; r < R; r++)
+    for (int h = 0; h < NH; h++) total[r][h] = _mm256_setzero_ps();
+  const uint8_t* c = codes + block * l.groups * l.group_bytes() + h0 * 8;
+  const __m256i nibble = _mm256_set1_epi32(0x0F);
+  for (int64_t g = 0; g < l.groups; g++, c += l.group_bytes()) {
+    __m256 chain[R][NH][2];
+    for (int r = 0; r < R; r++)
+      for (int h = 0; h < NH; h++) chain[r][h][0] = chain[r][h][1] = _mm256_setzero_ps();
+    const float* xg = x + g * kGroup;
+    if (BITS == 4) {
+#pragma GCC unroll 16
+      for (int64_t p = 0; p < kGroup / 2; p++) {  // inputs 2p (low nibble) and 2p + 1 (high)
+        for (int h = 0; h < NH; h++) {
+          const __m256i v = _mm256_cvtepu8_epi32(
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + p * kFeatures + h * 8)));
+          const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, nibble));
+          const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+          for (int r = 0; r < R; r++) {
+            const float* xr = xg + r * l.in;
+            chain[r][h][0] = _mm256_fmadd_ps(lo, _mm256_set1_ps(xr[2 * p]), chain[r][h][0]);
+            chain[r][h][1] = _mm256_fmadd_ps(hi, _mm256_set1_ps(xr[2 * p + 1]), chain[r][h][1]);
+          }
+        }
+      }
+    } else {
+#pragma GCC unroll 32
+      for (int64_t i = 0; i < kGroup; i++) {
+        for (int h = 0; h < NH; h++) {
+          const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + i * kFeatures + h * 8))));
+          for (int r = 0; r < R; r++)
+            chain[r][h][i % 2] =
+                _mm256_fmadd_ps(w, _mm256_set1_ps(xg[r * l.in + i]), chain[r][h][i % 2]);
+        }
+      }
+    }
+    for (int h = 0; h < NH; h++) {
+      const int64_t s = (block * l.groups + g) * kFeatures + (h0 + h) * 8;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + s)));
+      const __m256 m = BITS == 4 ? _mm256_cvtph_ps(_mm_loadu_si128(
+                                       reinterpret_cast<const __m128i*>(mins + s)))
+                                 : _mm256_setzero_ps();
+      for (int r = 0; r < R; r++) {
+        const __m256 sum = _mm256_add_ps(chain[r][h][0], chain[r][h][1]);
+        total[r][h] = _mm256_fmadd_ps(sum, d, total[r][h]);
+        if (BITS == 4)
+          total[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xsum[r * l.groups + g]), total[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int h = 0; h < NH; h++) _mm256_storeu_ps(totals + r * kFeatures + (h0 + h) * 8, total[r][h]);
+}
+
+// Rows in tiles of 4 (1 to 3 at the end); 1 or 2 rows take both halves in one pass.
+template <int R, int BITS>
+inline void quant_rows_avx2(const float* x, const float* xsum, const uint8_t* codes,
+                            const c10::Half* scales, const c10::Half* mins, const QuantLayout& l,
+                            int64_t block, float* totals) {
+  if constexpr (R <= 2) {
+    quant_half_tile<R, BITS, 2>(x, xsum, codes, scales, mins, l, block, 0, totals);
+  } else {
+    constexpr int T = R < 4 ? R : 4;
+    for (int h = 0; h < 2; h++)
+      quant_half_tile<T, BITS, 1>(x, xsum, codes, scales, mins, l, block, h, totals);
+    if constexpr (R > 4)
+      quant_rows_avx2<R - 4, BITS>(x + 4 * l.in, xsum + 4 * l.groups, codes, scales, mins, l,
+                                   block, totals + 4 * kFeatures);
+  }
+}
+
+template <int R, int BITS>
+inline void quant_tile(const float* x, const float* xsum, const uint8_t* codes,
+                       const c10::Half* scales, const c10::Half* mins, const QuantLayout& l,
+                       int64_t block, float* totals /* [R][16] */) {
+  quant_rows_avx2<R, BITS>(x, xsum, codes, scales, mins, l, block, totals);
 }
 
 #else

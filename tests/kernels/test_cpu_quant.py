@@ -126,14 +126,15 @@ def test_rows_do_not_depend_on_the_row_count(bits, dtype, int8_activations) -> N
 
 @pytest.mark.skipif(os.environ.get("SPECDEC_SLOW_TESTS") != "1", reason="SPECDEC_SLOW_TESTS=1")
 @needs_kernels
-@pytest.mark.parametrize("build", ["no-amx", "portable"])
+@pytest.mark.parametrize("build", ["no-amx", "avx2", "scalar"])
 def test_other_builds_give_the_same_bits(build: str) -> None:
     """The code of CPUs unlike this one, compiled here, gives this machine's bits: vpdpbusd tiles
-    alone (no AMX), and the scalar code (no AVX-512). Rows in 16-row tiles are AMX's where this
-    CPU has it."""
+    alone (no AMX), the AVX2 code (no AVX-512) and the scalar code (neither). Rows in 16-row
+    tiles are AMX's where this CPU has it."""
     flags = {
         "no-amx": ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"),
-        "portable": ("-mno-avx512f",),
+        "avx2": ("-mno-avx512f",),
+        "scalar": ("-mno-avx512f", "-mno-avx2"),
     }[build]
     other = cpu_ops._build(flags, f"specdec_cpu_ops_{build.replace('-', '_')}")
     for bits in (4, 8):
