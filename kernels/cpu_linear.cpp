@@ -47,6 +47,10 @@
 
 #include "cpu_simd.h"
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 using namespace specdec_cpu;
@@ -117,6 +121,87 @@ inline void linear_tail_feature(const T* x, const T* w, const T* bias, T* y, int
     const float total = sum_lanes(lanes);
     y[(m0 + r) * out + n] = static_cast<T>(bias ? total + load(bias, n) : total);
   }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2: the AVX-512 code's 16 lanes as two vectors of 8, with the same fused multiply-add per
+// lane and step and the same tree, so the same bits as on a CPU with AVX-512. Tiles are smaller
+// (16 registers): one row by the block's 4 features, or 2 rows by 2 features.
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const BFloat16* p) {  // widened exactly: the bf16 bits are float32's high half
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// acc[(r * B + b) * 2 + h]: lanes 8h..8h+7 of dot(x row r, w row b), for R rows and B features
+// (x and wb point at the first of each).
+template <typename T, int R, int B>
+inline void dot_tile8(const T* x, const T* wb, int64_t in, __m256* acc, const T* next) {
+  int64_t k = 0;
+  for (; k + kLanes <= in; k += kLanes) {
+    if (next)
+      for (int b = 0; b < B; b++) _mm_prefetch(reinterpret_cast<const char*>(next + b * in + k), _MM_HINT_T1);
+    for (int h = 0; h < 2; h++) {
+      __m256 wv[B];
+      for (int b = 0; b < B; b++) wv[b] = load8(wb + b * in + k + 8 * h);
+      for (int r = 0; r < R; r++) {
+        const __m256 xv = load8(x + r * in + k + 8 * h);
+        for (int b = 0; b < B; b++)
+          acc[(r * B + b) * 2 + h] = _mm256_fmadd_ps(xv, wv[b], acc[(r * B + b) * 2 + h]);
+      }
+    }
+  }
+  if (k < in) {  // the last in % 16 inputs, zero-padded: the padding adds fma(0, 0, sum) = sum
+    alignas(32) float xs[R][kLanes] = {}, ws[B][kLanes] = {};
+    for (int64_t t = k; t < in; t++) {
+      for (int r = 0; r < R; r++) xs[r][t - k] = load(x + r * in, t);
+      for (int b = 0; b < B; b++) ws[b][t - k] = load(wb + b * in, t);
+    }
+    for (int h = 0; h < 2; h++)
+      for (int r = 0; r < R; r++)
+        for (int b = 0; b < B; b++)
+          acc[(r * B + b) * 2 + h] = _mm256_fmadd_ps(_mm256_load_ps(xs[r] + 8 * h),
+                                                     _mm256_load_ps(ws[b] + 8 * h),
+                                                     acc[(r * B + b) * 2 + h]);
+  }
+}
+
+// y for R rows from m0 and B features from n0, each sum reduced by sum_lanes.
+template <typename T, int R, int B>
+inline void linear_tile8(const T* x, const T* w, const T* bias, T* y, int64_t in, int64_t out,
+                         int64_t m0, int64_t n0, const T* next) {
+  __m256 acc[R * B * 2];
+  for (int i = 0; i < R * B * 2; i++) acc[i] = _mm256_setzero_ps();
+  dot_tile8<T, R, B>(x + m0 * in, w + n0 * in, in, acc, next);
+  for (int r = 0; r < R; r++)
+    for (int b = 0; b < B; b++) {
+      alignas(32) float lanes[kLanes];
+      _mm256_store_ps(lanes, acc[(r * B + b) * 2]);
+      _mm256_store_ps(lanes + 8, acc[(r * B + b) * 2 + 1]);
+      const float total = sum_lanes(lanes);
+      y[(m0 + r) * out + n0 + b] = static_cast<T>(bias ? total + load(bias, n0 + b) : total);
+    }
+}
+
+template <typename T, int R>
+inline void linear_tile(const T* x, const T* w, const T* bias, T* y, int64_t in, int64_t out,
+                        int64_t m0, int64_t n0, bool prefetch) {
+  constexpr int B = kOutBlock;
+  const T* next = prefetch ? w + (n0 + B) * in : nullptr;  // past the end: prefetch is a hint
+  if constexpr (R == 1) {
+    linear_tile8<T, 1, B>(x, w, bias, y, in, out, m0, n0, next);
+  } else {
+    for (int r = 0; r + 2 <= R; r += 2)
+      for (int b = 0; b < B; b += 2)
+        linear_tile8<T, 2, 2>(x, w, bias, y, in, out, m0 + r, n0 + b, r == 0 && b == 0 ? next : nullptr);
+    if constexpr (R % 2 == 1) linear_tile8<T, 1, B>(x, w, bias, y, in, out, m0 + R - 1, n0, nullptr);
+  }
+}
+
+template <typename T, int R>
+inline void linear_tail_feature(const T* x, const T* w, const T* bias, T* y, int64_t in,
+                                int64_t out, int64_t m0, int64_t n) {
+  for (int r = 0; r < R; r++) linear_tile8<T, 1, 1>(x, w, bias, y, in, out, m0 + r, n, nullptr);
 }
 #else
 // Without AVX-512: the same lanes and tree, a multiply and an add per step (no fusion here).

@@ -150,6 +150,24 @@ def test_bf16_packed_rows_are_invariant_on_every_path(build: str) -> None:
         _check_rows(kernels, features, bias=True)
 
 
+@pytest.mark.skipif(os.environ.get("SPECDEC_SLOW_TESTS") != "1", reason="SPECDEC_SLOW_TESTS=1")
+@pytest.mark.skipif(
+    not cpu_ops.enabled() or "avx512f" not in cpu_ops.cpu_flags().split(),
+    reason="needs the AVX-512 kernels to compare with",
+)
+def test_row_linears_without_avx512_give_the_avx512_bits() -> None:
+    """The AVX2 code (compiled here with ``-mno-avx512f``) runs the AVX-512 code's 16 lanes as
+    two vectors of 8, with the same fused multiply-adds and the same tree: the same bits."""
+    avx2 = cpu_ops._build(("-mno-avx512f",), "specdec_cpu_ops_avx2")
+    torch.manual_seed(0)
+    for features in [(576, 960), (1536, 576), (40, 7)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            w = torch.randn(features[1], features[0]).to(dtype)
+            b = torch.randn(features[1]).to(dtype)
+            x = torch.randn(9, features[0]).to(dtype)
+            assert torch.equal(avx2.linear(x, w, b), cpu_ops.extension().linear(x, w, b))
+
+
 @pytest.mark.skipif(not cpu_ops.enabled(), reason="no fused CPU kernels")
 def test_packed_linears_reject_mismatched_arguments() -> None:
     kernels = cpu_ops.extension()
