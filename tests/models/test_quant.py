@@ -7,6 +7,7 @@ import pytest
 from specdec import LLM, SamplingParams
 from specdec.drafters import SpecConfig
 from specdec.kernels import cpu_ops
+from specdec.models import quant
 from specdec.models.quant import QUANTIZATIONS, QuantLinear, dequantized_linears
 from tests.tiny import byte_tokenizer, hf_greedy, tiny_model
 
@@ -75,6 +76,19 @@ def test_bad_quantization_requests_get_clear_errors():
         SpecConfig(drafter="quantized_self", draft_quantization="fp8")
     with pytest.raises(ValueError, match=r"input width \(48\) is not a multiple of 32"):
         LLM(tiny_model(hidden_size=48), tokenizer=byte_tokenizer(), quantization="int8")
+
+
+@pytest.mark.parametrize("vnni", [False, True])
+def test_int8_activations_without_vnni_get_a_warning(monkeypatch, caplog, vnni):
+    """w4a8 and w8a8 are fast only with AVX-512 VNNI; elsewhere the user is told what to use."""
+    monkeypatch.setattr(quant, "has_vnni", lambda: vnni)
+    with caplog.at_level("WARNING", logger="specdec.models.quant"):
+        quant.quantize_linears(tiny_model(hidden_size=64), "w4a8")
+    assert ("lacks it, so 'w4a8' runs scalar code: use 'int4' here" in caplog.text) != vnni
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="specdec.models.quant"):
+        quant.quantize_linears(tiny_model(hidden_size=64), "int4")
+    assert caplog.text == ""
 
 
 @pytest.mark.parametrize(
