@@ -25,6 +25,8 @@ CONFIGS = {  # (arch, dtype, quantization): every kind of linear the stack takes
 
 
 def build(arch: str, dtype: torch.dtype, quantization: str | None, **options) -> LlamaForCausalLM:
+    if dtype == torch.bfloat16:  # invariant by default only with AVX-512: ask for it everywhere
+        options.setdefault("batch_invariant", True)
     hf = tiny_model(arch, hidden_size=64)
     state = {k: v.to(dtype) for k, v in hf.state_dict().items()}
     return LlamaForCausalLM.from_hf(hf.config, state, 256, quantization=quantization, **options)
