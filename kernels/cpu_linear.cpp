@@ -15,7 +15,8 @@
 // second pass over a block for one row cost a float32 step's linears 25.6 ms, not 24.3). While a
 // block's first tile runs, the next block's weights are prefetched into L2. Long inputs run in
 // chunks of kRowChunk rows, so that a chunk of x stays in L2 while every weight block streams
-// past it.
+// past it. With AVX2 alone, the same 16 lanes are two vectors of 8 (same fused multiply-adds,
+// same tree: the same bits); without AVX2, a multiply and an add per lane and step.
 //
 // bfloat16 (`pack_pairs`, `linear_pairs`): the weight is packed once into blocks of 16 features
 // whose inputs are interleaved in pairs (the layout Intel's VNNI instructions and AMX tiles read;

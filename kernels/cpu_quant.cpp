@@ -17,8 +17,8 @@
 // Lanes of a vector are 16 output features, so there is no horizontal reduction. Nothing in that
 // order depends on the row count, the tile or the thread, so a row's bits are the same in a
 // one-row decode as in a 1,000-row prompt: what batch invariance needs (see specdec/attention.py).
-// The scalar code (no AVX-512) computes each lane with the same operations in the same order, so
-// it gives the same bits.
+// The AVX2 code (no AVX-512) and the scalar code (neither) compute each lane with the same
+// operations in the same order, so they give the same bits.
 //
 // Work is split over threads by blocks of 16 features; within a block, tiles of up to 8 rows
 // share each code vector loaded (with int8 activations on a CPU with AMX, tiles of 16 rows run on
