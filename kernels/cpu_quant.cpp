@@ -408,6 +408,83 @@ inline void int8_tile(const Int8Rows& a, int64_t m, const uint8_t* codes, const 
   for (int r = 0; r < R; r++) _mm512_storeu_ps(totals + r * kFeatures, total[r]);
 }
 
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+
+// AVX2 without VNNI: vpmaddubsw multiplies unsigned by signed bytes and adds adjacent products
+// into int16, then vpmaddwd adds pairs of those into int32 lanes: the four products of a lane's
+// quad, as vpdpbusd adds them. Nothing saturates: int4 codes 0..15 times activations -127..127
+// pair to at most 3,810; int8 weights go as |w| times the activation carrying w's sign (qx never
+// -128), at most 2 x 128 x 127 = 32,512, so S = sum w qx directly, without the +128 offset. The
+// sums are exact and the float steps are the scalar code's, in its order: the same bits.
+// 8 features to a vector (half `h` of the block), rows in tiles of up to 4 (llama.cpp's AVX2
+// Q4_1 and Q8_0 dot products multiply the same way).
+inline __m256i quad_sums(__m256i u, __m256i s) {  // int32 lanes: 4 products u8 x s8, added
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+inline __m256i broadcast4(const uint8_t* p) {  // 4 bytes into every int32 lane
+  int32_t v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return _mm256_set1_epi32(v);
+}
+
+template <int R, int BITS>
+inline void int8_half_tile(const Int8Rows& a, int64_t m, const uint8_t* codes,
+                           const c10::Half* scales, const void* extra, const QuantLayout& l,
+                           int64_t block, int h, float* totals /* [R][16] */) {
+  __m256 total[R];
+  for (int r = 0; r < R; r++) total[r] = _mm256_setzero_ps();
+  const uint8_t* c = codes + block * l.groups * l.group_bytes() + h * 32;
+  const __m256i nibble = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t g = 0; g < l.groups; g++, c += l.group_bytes()) {
+    __m256i sum[R];
+    for (int r = 0; r < R; r++) sum[r] = _mm256_setzero_si256();
+    const uint8_t* q = a.q.data() + m * l.in + g * kGroup;
+    if (BITS == 4) {
+      for (int k = 0; k < 4; k++) {  // low nibbles: inputs 4k..4k+3; high: 16 + 4k..16 + 4k+3
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + k * 64));
+        const __m256i lo = _mm256_and_si256(raw, nibble);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+        for (int r = 0; r < R; r++) {
+          sum[r] = _mm256_add_epi32(sum[r], quad_sums(lo, broadcast4(q + r * l.in + 4 * k)));
+          sum[r] = _mm256_add_epi32(sum[r], quad_sums(hi, broadcast4(q + r * l.in + 16 + 4 * k)));
+        }
+      }
+    } else {
+      for (int t = 0; t < 8; t++) {  // inputs 4t..4t+3; the activations are stored offset by 128
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + t * 64));
+        const __m256i magnitude = _mm256_abs_epi8(w);  // -128 gives 0x80: 128 as unsigned
+        for (int r = 0; r < R; r++) {
+          const __m256i x = _mm256_xor_si256(broadcast4(q + r * l.in + 4 * t), flip);
+          sum[r] = _mm256_add_epi32(sum[r], quad_sums(magnitude, _mm256_sign_epi8(x, w)));
+        }
+      }
+    }
+    const int64_t s = (block * l.groups + g) * kFeatures + h * 8;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + s)));
+    const __m256 mn = BITS == 4 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                                      static_cast<const c10::Half*>(extra) + s)))
+                                : _mm256_setzero_ps();
+    for (int r = 0; r < R; r++) {  // total + dx * (float(S) * dw (+ mw * float(sum qx)))
+      const int64_t rg = (m + r) * l.groups + g;
+      __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(sum[r]), d);
+      if (BITS == 4) t = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.s[rg]), t);
+      total[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(a.d[rg]), total[r]);
+    }
+  }
+  for (int r = 0; r < R; r++) _mm256_storeu_ps(totals + r * kFeatures + h * 8, total[r]);
+}
+
+template <int R, int BITS>
+inline void int8_tile(const Int8Rows& a, int64_t m, const uint8_t* codes, const c10::Half* scales,
+                      const void* extra, const QuantLayout& l, int64_t block,
+                      float* totals /* [R][16] */) {
+  constexpr int T = R < 4 ? R : 4;
+  for (int h = 0; h < 2; h++) int8_half_tile<T, BITS>(a, m, codes, scales, extra, l, block, h, totals);
+  if constexpr (R > 4)
+    int8_tile<R - 4, BITS>(a, m + 4, codes, scales, extra, l, block, totals + 4 * kFeatures);
+}
+
 #else
 
 // The same sums lane by lane (integers: exact in any order), then the same float steps.
