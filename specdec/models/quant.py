@@ -63,15 +63,23 @@ def int8_activations(quantization: str) -> bool:
 
 
 def has_vnni() -> bool:
-    """Whether the kernels run here with AVX-512 VNNI, which int8 activations need for speed."""
+    """Whether the kernels run here with AVX-512 VNNI (``vpdpbusd``)."""
     return "avx512_vnni" in cpu_ops.cpu_flags().split() and cpu_ops.enabled()
+
+
+def fast_int8_activations() -> bool:
+    """Whether int8 activations run vector code here: AVX-512 VNNI, or AVX2's byte products
+    (``vpmaddubsw``); elsewhere the kernel's scalar loop."""
+    flags = cpu_ops.cpu_flags().split()
+    return cpu_ops.enabled() and ("avx512_vnni" in flags or "avx2" in flags)
 
 
 def default_draft_quantization() -> str:
     """``quantized_self``'s weights when none is asked for: ``"w4a8"`` where the kernels run and
     the CPU has AVX-512 VNNI (side by side 1.13x faster than ``"int4"`` drafts there: accepted a
-    little less often, 0.96 against 0.99, at less cost), else ``"int4"`` (without VNNI, int8
-    activations take the scalar code)."""
+    little less often, 0.96 against 0.99, at less cost), else ``"int4"``: with AVX2 alone,
+    ``"w4a8"`` drafts have not yet been compared with ``"int4"`` ones, which on the default
+    model are float32's own weights and were all accepted there."""
     return "w4a8" if has_vnni() else "int4"
 
 
@@ -189,11 +197,10 @@ def quantize_linears(
     ``quantization`` asks for, and the others are quantized from the float weights.
     """
     check_quantization(quantization)
-    if int8_activations(quantization) and not has_vnni():
-        # measured on 2 AVX2 cores: w4a8 decoding at 0.19x float32, int4 at 1.57x
+    if int8_activations(quantization) and not fast_int8_activations():
         logger.warning(
-            "quantization %r rounds activations to int8, which runs fast only with AVX-512 VNNI; "
-            "this CPU lacks it, so %r runs scalar code: use %r here",
+            "quantization %r rounds activations to int8, which runs fast only with AVX-512 VNNI "
+            "or AVX2; this CPU lacks both, so %r runs scalar code: use %r here",
             quantization,
             quantization,
             "int4" if quantization == "w4a8" else "int8",
