@@ -251,7 +251,7 @@ class LlamaForCausalLM(nn.Module):
         ``batch_invariant``: every row's result independent of what else a step holds (see
         :mod:`specdec.attention`), so that speculative decoding gives exactly the tokens of plain
         decoding. ``None`` turns it on where it runs at vector speed, bfloat16 weights on a CPU with
-        AVX-512 (see :func:`~specdec.models.linear.batch_invariant_by_default`); float32
+        AVX-512 or AVX2 (see :func:`~specdec.models.linear.batch_invariant_by_default`); float32
         keeps MKL's faster kernels, whose rounding differs between row counts by far less than
         float32's gaps between logits (``True`` with float32 is an error).
 

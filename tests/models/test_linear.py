@@ -136,18 +136,42 @@ def test_bf16_packed_rows_do_not_depend_on_the_row_count(
 
 @pytest.mark.skipif(os.environ.get("SPECDEC_SLOW_TESTS") != "1", reason="SPECDEC_SLOW_TESTS=1")
 @pytest.mark.skipif(not cpu_ops.enabled(), reason="no fused CPU kernels")
-@pytest.mark.parametrize("build", ["no-amx", "no-avx512bf16", "portable"])
+@pytest.mark.parametrize("build", ["no-amx", "no-avx512bf16", "avx2", "scalar"])
 def test_bf16_packed_rows_are_invariant_on_every_path(build: str) -> None:
     """The paths of CPUs unlike this one, compiled here: vdpbf16ps without AMX, float32 fused
-    multiply-adds without AVX512-BF16, and scalar code without AVX-512."""
+    multiply-adds without AVX512-BF16, AVX2 without AVX-512, and scalar code without either."""
     flags = {
         "no-amx": ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"),
         "no-avx512bf16": ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8", "-mno-avx512bf16"),
-        "portable": ("-mno-avx512f",),
+        "avx2": ("-mno-avx512f",),
+        "scalar": ("-mno-avx512f", "-mno-avx2"),
     }[build]
     kernels = cpu_ops._build(flags, f"specdec_cpu_ops_{build.replace('-', '_')}")
     for features in FEATURES:
         _check_rows(kernels, features, bias=True)
+
+
+@pytest.mark.skipif(os.environ.get("SPECDEC_SLOW_TESTS") != "1", reason="SPECDEC_SLOW_TESTS=1")
+@pytest.mark.skipif(
+    not cpu_ops.enabled() or "avx2" not in cpu_ops.cpu_flags().split(),
+    reason="needs a CPU that runs the AVX2 code",
+)
+def test_bf16_pairs_without_avx512_give_the_scalar_bits() -> None:
+    """The AVX2 pair kernel adds each input pair as the scalar code does (even product, then
+    odd, each exact in float32), 8 features to a vector: the same bits for every tile shape it
+    picks (1 row over 4 blocks, 2-3 rows over 2, more rows over 1)."""
+    avx2 = cpu_ops._build(("-mno-avx512f",), "specdec_cpu_ops_avx2")
+    scalar = cpu_ops._build(("-mno-avx512f", "-mno-avx2"), "specdec_cpu_ops_scalar")
+    torch.manual_seed(0)
+    for features in FEATURES:
+        w = torch.randn(features[1], features[0]).to(torch.bfloat16)
+        b = torch.randn(features[1]).to(torch.bfloat16)
+        packed = avx2.pack_pairs(w)
+        assert torch.equal(packed, scalar.pack_pairs(w))
+        for rows in (1, 2, 3, 9, 260):
+            x = torch.randn(rows, features[0]).to(torch.bfloat16)
+            got = avx2.linear_pairs(x, packed, b, features[1])
+            assert torch.equal(got, scalar.linear_pairs(x, packed, b, features[1])), rows
 
 
 @pytest.mark.skipif(os.environ.get("SPECDEC_SLOW_TESTS") != "1", reason="SPECDEC_SLOW_TESTS=1")
@@ -161,11 +185,10 @@ def test_row_linears_without_avx512_give_the_avx512_bits() -> None:
     avx2 = cpu_ops._build(("-mno-avx512f",), "specdec_cpu_ops_avx2")
     torch.manual_seed(0)
     for features in [(576, 960), (1536, 576), (40, 7)]:
-        for dtype in (torch.float32, torch.bfloat16):
-            w = torch.randn(features[1], features[0]).to(dtype)
-            b = torch.randn(features[1]).to(dtype)
-            x = torch.randn(9, features[0]).to(dtype)
-            assert torch.equal(avx2.linear(x, w, b), cpu_ops.extension().linear(x, w, b))
+        w = torch.randn(features[1], features[0])  # float32: bf16 goes to linear_pairs
+        b = torch.randn(features[1])
+        x = torch.randn(9, features[0])
+        assert torch.equal(avx2.linear(x, w, b), cpu_ops.extension().linear(x, w, b))
 
 
 @pytest.mark.skipif(not cpu_ops.enabled(), reason="no fused CPU kernels")
