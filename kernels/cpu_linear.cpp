@@ -27,7 +27,8 @@
 // to kPairRows rows by the kGroupBlocks blocks of a group keep 16 chains in registers; each
 // weight vector loaded serves every row of the tile, and each broadcast input pair every block.
 // Without AVX512-BF16, each pair is two float32 fused multiply-adds, even input first (the
-// products of two bf16 values are exact in float32, so the scalar code computes the same). The
+// products of two bf16 values are exact in float32, so the scalar code computes the same); with
+// AVX2 alone, 8 features to a vector (see the AVX2 pair_tile for its tile shapes). The
 // two instructions do not round alike: measured here, vdpbf16ps adds the odd product and then the
 // even one, each rounded, and AMX matches neither that nor five other orders tried, so a machine
 // never mixes them. A bf16 output is rounded once, after the bias is added in float32.
