@@ -1,7 +1,7 @@
 """A smaller causal LM as drafter (Leviathan et al. 2023; Chen et al. 2023), or the target's
 own weights quantized (``quantized_self``: a draft that needs no training and agrees with the
 target almost always, read at a quarter of the bytes; by default ``w4a8``, int4 weights and int8
-activations, where the CPU has AVX-512 VNNI, else weight-only ``int4``).
+activations, where the CPU has AVX-512 VNNI or AVX2, else weight-only ``int4``).
 
 ``quantized_self`` has the target's shape, so it reads the target's own KV cache instead of
 keeping one (QSpec, Zhao et al. 2024, drafts with a model's own low-precision run and reuses

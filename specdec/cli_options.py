@@ -62,7 +62,7 @@ def speculation_options(fn: Any) -> Any:
         "--draft-quantization",
         default=None,
         type=click.Choice(list(QUANTIZATIONS)),
-        help="quantized_self's weights (default: w4a8 with AVX-512 VNNI, else int4).",
+        help="quantized_self's weights (default: w4a8 with AVX-512 VNNI or AVX2, else int4).",
     )(fn)
     fn = click.option(
         "--draft-model", default=None, help="HF directory or GGUF file of the draft model."

@@ -11,7 +11,7 @@ process taking turns prompt by prompt (so drift in the machine's speed hits all 
   (see :mod:`specdec.models.quant`; ``int4`` runs the GGUF file's own Q4_1 codes);
 * ``w8a8``, ``w4a8`` and ``bfloat16+w4a8``: the same weights, activations rounded to int8;
 * ``bfloat16+quantized_self``: a bfloat16 target verifying drafts of its own quantized copy
-  (``w4a8`` by default where the CPU has VNNI; ``int4`` and a fixed k = 4 beside it);
+  (``w4a8`` by default where the CPU has VNNI or AVX2; ``int4`` and a fixed k = 4 beside it);
 * ``llama.cpp``: ``llama-cpp-python`` on the same GGUF file, plain decoding, when installed (the
   ``llamacpp`` extra), fed the same token ids.
 
