@@ -291,12 +291,10 @@ void linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t rows, int6
 constexpr int64_t kPairBlock = 16;  // features per block: one register of float32 sums
 constexpr int64_t kStepPairs = 16;  // input pairs per step
 constexpr int kGroupBlocks = 2;     // blocks per group
-#if defined(__AVX512F__)
-constexpr int kPairRows = 8;  // rows per register tile: 8 x 2 sums + 2 weights + 1 input
-#elif defined(__AVX2__) && defined(__FMA__)
-constexpr int kPairRows = 5;  // rows per tile of one block: 5 x 2 sums + 4 weights + 2 inputs
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+constexpr int kPairRows = 5;  // rows per tile of one block: 5 x 2 sums + even, odd weights + 2 inputs
 #else
-constexpr int kPairRows = 8;
+constexpr int kPairRows = 8;  // rows per register tile: 8 x 2 sums + 2 weights + 1 input
 #endif
 constexpr int64_t kPairRowChunk = 256;
 constexpr int64_t kStepWords = kGroupBlocks * kStepPairs * kPairBlock;  // 32-bit pairs per step
@@ -394,8 +392,8 @@ inline void pair_tile(const BFloat16* x, const uint32_t* w, const PairLayout& l,
 // product: the same bits), 8 features to a vector. A tile is R rows by B consecutive blocks of 16
 // features from block b0 (counted over all groups): 2B vectors of R sums. Each pair step adds two
 // dependent products to a sum, so a tile needs many sums for the FMA units to stay busy: a
-// decode's single row takes 4 blocks (8 chains; with the 4 of one group, the weights streamed at
-// 10.7 GB/s a core against 20 for a plain sum), up to 3 rows 2 blocks, more rows 1 block and up to
+// decode's single row takes 4 blocks (8 chains: 12.9 GB/s a core, against 10.7 with the 4 of one
+// group and 20 for a plain sum), up to 3 rows 2 blocks, more rows 1 block and up to
 // 5 rows (10 sums, a block's even and odd weights widened to float32, two inputs: 16 ymm
 // registers). The rows come widened to float32 beforehand (`xf`, `stride` floats apart, zeros
 // past an odd width), so an input is one broadcast load.
@@ -477,8 +475,12 @@ void pair_linear_rows(const BFloat16* x, const uint32_t* w, const BFloat16* bias
         const int64_t b0 = item * per_item;
         if (b0 * kPairBlock >= l.out) continue;  // padding blocks only
         const int64_t blocks = std::min(per_item, total_blocks - b0);
-        if (per_item > 1) {
-          pair_tile_of<3, 4>(chunk, blocks, xf.data(), stride, w, l, bias, y, m0, b0);
+        if (chunk == 1) {
+          pair_tile_of<1, 4>(1, blocks, xf.data(), stride, w, l, bias, y, m0, b0);
+          continue;
+        }
+        if (chunk <= 3) {
+          pair_tile_of<3, 2>(chunk, blocks, xf.data(), stride, w, l, bias, y, m0, b0);
           continue;
         }
         const int64_t tiles = (chunk + kPairRows - 1) / kPairRows;

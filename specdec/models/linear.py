@@ -13,8 +13,8 @@ rows (decodes, verifications, batches of up to 64 sequences), where they beat MK
 the weights it reads on every call); larger float32 steps (prefill chunks) go to MKL.
 Batch-invariant bfloat16 models (see :mod:`specdec.attention`) pack every weight once in input
 pairs and run every row count on the kernel: AMX tiles where the CPU has them, else
-``vdpbf16ps``, else (AVX2) two float32 fused multiply-adds per input pair. oneDNN's bf16 GEMM keeps a row's bits across row counts on some CPUs (up to 32 rows
-with AMX) but not on others (AVX512-BF16 without AMX: a down projection's rows change from 4 rows
+``vdpbf16ps``, else (AVX2) two float32 fused multiply-adds per input pair. oneDNN's bf16 GEMM
+keeps a row's bits across row counts on some CPUs (up to 32 rows with AMX) but not on others (AVX512-BF16 without AMX: a down projection's rows change from 4 rows
 per call on), so exactness cannot rest on it. Without the C++ kernels, invariant bf16 linears
 fall back to packed oneDNN calls of at most ``INVARIANT_TILE_ROWS`` rows, which holds on AMX CPUs
 only.
@@ -59,9 +59,10 @@ def batch_invariant_by_default(dtype: torch.dtype) -> bool:
     scalar loops (a prefill of the default model took minutes), so invariance is there only when
     asked for; float32 (MKL and the float32 row kernels) is the faster choice on such CPUs.
 
-    On an AVX2 CPU (2 cores, default model), invariant bf16 against oneDNN-less ``F.linear``
-    (what bf16 ran on there before): a decode step 20.3 -> 14.4 ms, a 9-token verification
-    135 -> 28 ms, a 512-token prompt 5.9 -> 1.6 s (float32: 24.8 ms, 50 ms, 0.9 s)."""
+    On an AVX2 CPU (2 cores, default model, one process), invariant bf16 against oneDNN-less
+    ``F.linear`` (what bf16 ran on there before): a decode step 20.9 -> 14.2 ms, a 9-token
+    verification 140 -> 29 ms, a 512-token prompt 6.2 -> 1.8 s (float32: 25.3 ms, 48 ms,
+    1.05 s)."""
     return can_batch_invariant(dtype) and vector_pair_kernels()
 
 
@@ -125,9 +126,9 @@ def prepack_linears(model: nn.Module, invariant: bool = False) -> int:
 def fast_linears(module: nn.Module) -> nn.Module:
     """Run ``module``'s CPU linears on the target's kernels, for a drafter's few-row steps (its
     drafts change speed, never output): float32 few-row steps on the row kernel; bfloat16 packed
-    in pairs for the row kernel where that runs at vector speed (AVX-512, or AVX2 with FMA), else
-    on oneDNN-packed weights. At a drafter's shapes either row kernel took about half the time of the
-    alternative for one row (``F.linear`` in float32, oneDNN in bfloat16), and oneDNN won in
+    in pairs for the row kernel where that runs at vector speed (AVX-512, or AVX2 with FMA),
+    else on oneDNN-packed weights. At a drafter's shapes either row kernel took about half the
+    time of the alternative for one row (``F.linear`` in float32, oneDNN in bfloat16), and oneDNN won in
     bfloat16 only from about 32 rows on, a head's catch-up on a prompt. Leaves a module on
     another device as it is; returns it."""
     if all(p.device.type == "cpu" for p in module.parameters()):

@@ -25,7 +25,7 @@ CONFIGS = {  # (arch, dtype, quantization): every kind of linear the stack takes
 
 
 def build(arch: str, dtype: torch.dtype, quantization: str | None, **options) -> LlamaForCausalLM:
-    if dtype == torch.bfloat16:  # invariant by default only with AVX-512: ask for it everywhere
+    if dtype == torch.bfloat16:  # not invariant by default on scalar kernels: always ask for it
         options.setdefault("batch_invariant", True)
     hf = tiny_model(arch, hidden_size=64)
     state = {k: v.to(dtype) for k, v in hf.state_dict().items()}

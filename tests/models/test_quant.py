@@ -6,7 +6,6 @@ import pytest
 
 from specdec import LLM, SamplingParams
 from specdec.drafters import SpecConfig
-from specdec.kernels import cpu_ops
 from specdec.models import quant
 from specdec.models.quant import QUANTIZATIONS, QuantLinear, dequantized_linears
 from tests.tiny import byte_tokenizer, hf_greedy, tiny_model
@@ -110,8 +109,7 @@ def test_quantized_self_reads_the_targets_cache_in_every_step_shape(make_llm, op
     assert draft.k_caches is target.k_caches and draft.v_caches is target.v_caches
     assert draft.model.embed_tokens is target.model.embed_tokens
     # no draft_quantization asked for: w4a8 where the CPU multiplies bytes (VNNI, AVX2), else int4
-    flags = cpu_ops.cpu_flags().split()
-    a8 = cpu_ops.enabled() and ("avx512_vnni" in flags or "avx2" in flags)
+    a8 = quant.fast_int8_activations()
     linears = [m for m in draft.model.modules() if isinstance(m, QuantLinear)]
     assert {(m.bits, m.int8_activations) for m in linears} == {(4, a8), (8, a8)}
     prompts = PROMPTS + [PROMPTS[1] + [5, 6, 7]]  # a shared prefix for the prefix cache
