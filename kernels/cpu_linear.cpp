@@ -49,10 +49,6 @@
 
 #include "cpu_simd.h"
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 namespace {
 
 using namespace specdec_cpu;
@@ -128,12 +124,6 @@ inline void linear_tail_feature(const T* x, const T* w, const T* bias, T* y, int
 // AVX2: the AVX-512 code's 16 lanes as two vectors of 8, with the same fused multiply-add per
 // lane and step and the same tree, so the same bits as on a CPU with AVX-512. Tiles are smaller
 // (16 registers): one row by the block's 4 features, or 2 rows by 2 features.
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const BFloat16* p) {  // widened exactly: the bf16 bits are float32's high half
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
 
 // acc[(r * B + b) * 2 + h]: lanes 8h..8h+7 of dot(x row r, w row b), for R rows and B features
 // (x and wb point at the first of each).

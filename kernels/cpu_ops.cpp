@@ -13,7 +13,10 @@
 // torch's eager ops do (the build uses -ffp-contract=off, so no multiply-add is fused behind our
 // back); sums (RMSNorm, dot products, softmax) and exp run in orders of their own, fixed here.
 // With AVX-512, the linears and attention use explicit fused multiply-adds, the same in every
-// code path a row can take, and 16-lane sums added in one fixed tree (sum_lanes).
+// code path a row can take, and 16-lane sums added in one fixed tree (sum_lanes); with AVX2
+// alone, the same 16 lanes as two vectors of 8, so the same bits. The elementwise kernels are
+// written once over cpu_simd.h's `Vec` (16 lanes or 8) and give the scalar code's bits: before
+// AVX2 had that code, a 512-token bf16 prompt spent 0.12 s in SiLU alone on 2 cores.
 
 #include <torch/extension.h>
 
@@ -41,14 +44,16 @@ template <typename T>
 inline float sum_of_squares(const T* x, int64_t n) {
   float acc[kLanes] = {0};
   int64_t i = 0;
-#if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, BFloat16>) {
-    __m512 sums = _mm512_setzero_ps();
-    for (; i + kLanes <= n; i += kLanes) {
-      const __m512 v = load16(x + i);
-      sums = _mm512_add_ps(sums, _mm512_mul_ps(v, v));
-    }
-    _mm512_storeu_ps(acc, sums);
+#if SPECDEC_VECTOR
+  if constexpr (kVectorised<T>) {
+    Vec sums[kLanes / kVecLanes];
+    for (auto& v : sums) v = vec_set1(0.0f);
+    for (; i + kLanes <= n; i += kLanes)
+      for (int h = 0; h < kLanes / kVecLanes; h++) {
+        const Vec v = vec_load(x + i + h * kVecLanes);
+        sums[h] = sums[h] + v * v;
+      }
+    for (int h = 0; h < kLanes / kVecLanes; h++) __builtin_memcpy(acc + h * kVecLanes, &sums[h], sizeof(Vec));
   }
 #endif
   for (; i + kLanes <= n; i += kLanes) {
@@ -64,39 +69,33 @@ inline float sum_of_squares(const T* x, int64_t n) {
   return sum;
 }
 
+// The elementwise kernels below run whole vectors, then the rest of the row in scalar code: the
+// same operations lane by lane, so the same bits.
+
 // out = weight * T(x * rsqrt(mean(x^2) + eps)), normalised in float32 as transformers does.
 template <typename T>
 inline void rms_norm_row(const T* x, const T* weight, T* out, int64_t n, float eps) {
   const float inv = 1.0f / std::sqrt(sum_of_squares(x, n) / static_cast<float>(n) + eps);
-#if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, BFloat16>) {
-    const __m512 scale = _mm512_set1_ps(inv);
-    for (int64_t i = 0; i < n; i += kLanes) {  // the scalar loop below, 16 lanes at a time
-      const __mmask16 mask = tail_mask(n - i);
-      const __m512 normed = round16(_mm512_mul_ps(load16_masked(x + i, mask), scale), out);
-      store16_masked(out + i, _mm512_mul_ps(load16_masked(weight + i, mask), normed), mask);
-    }
-    return;
-  }
+  int64_t i = 0;
+#if SPECDEC_VECTOR
+  if constexpr (kVectorised<T>)
+    for (; i + kVecLanes <= n; i += kVecLanes)
+      vec_store(out + i, vec_load(weight + i) * vec_round(vec_load(x + i) * vec_set1(inv), out));
 #endif
 #pragma omp simd
-  for (int64_t i = 0; i < n; i++) out[i] = static_cast<T>(load(weight, i) * round_to<T>(load(x, i) * inv));
+  for (int64_t j = i; j < n; j++) out[j] = static_cast<T>(load(weight, j) * round_to<T>(load(x, j) * inv));
 }
 
 // res += x, rounded to T.
 template <typename T>
 inline void add_row(T* res, const T* x, int64_t n) {
-#if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, BFloat16>) {
-    for (int64_t i = 0; i < n; i += kLanes) {
-      const __mmask16 mask = tail_mask(n - i);
-      store16_masked(res + i, _mm512_add_ps(load16_masked(res + i, mask), load16_masked(x + i, mask)), mask);
-    }
-    return;
-  }
+  int64_t i = 0;
+#if SPECDEC_VECTOR
+  if constexpr (kVectorised<T>)
+    for (; i + kVecLanes <= n; i += kVecLanes) vec_store(res + i, vec_load(res + i) + vec_load(x + i));
 #endif
 #pragma omp simd
-  for (int64_t i = 0; i < n; i++) res[i] = static_cast<T>(load(res, i) + load(x, i));
+  for (int64_t j = i; j < n; j++) res[j] = static_cast<T>(load(res, j) + load(x, j));
 }
 
 template <typename T>
@@ -121,22 +120,19 @@ void add_rms_norm_rows(T* residual, const T* x, const T* weight, T* out, int64_t
 // o = T(silu(gate)) * up for one row of n.
 template <typename T>
 inline void silu_mul_row(const T* gate, const T* up, T* o, int64_t n) {
-#if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, BFloat16>) {
-    for (int64_t i = 0; i < n; i += kLanes) {  // the scalar steps below, 16 lanes at a time
-      const __mmask16 mask = tail_mask(n - i);
-      const __m512 g = load16_masked(gate + i, mask);
-      const __m512 e = exp_approx16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-      const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-      store16_masked(o + i, _mm512_mul_ps(round16(silu, o), load16_masked(up + i, mask)), mask);
+  int64_t i = 0;
+#if SPECDEC_VECTOR
+  if constexpr (kVectorised<T>)
+    for (; i + kVecLanes <= n; i += kVecLanes) {
+      const Vec g = vec_load(gate + i);
+      const Vec silu = g / (vec_set1(1.0f) + vec_exp(-g));
+      vec_store(o + i, vec_round(silu, o) * vec_load(up + i));
     }
-    return;
-  }
 #endif
 #pragma omp simd
-  for (int64_t i = 0; i < n; i++) {
-    const float g = load(gate, i);
-    o[i] = static_cast<T>(round_to<T>(g / (1.0f + exp_approx(-g))) * load(up, i));
+  for (int64_t j = i; j < n; j++) {
+    const float g = load(gate, j);
+    o[j] = static_cast<T>(round_to<T>(g / (1.0f + exp_approx(-g))) * load(up, j));
   }
 }
 
@@ -161,31 +157,24 @@ void rope_rows(T* x, const T* cos, const T* sin, int64_t rows, int64_t row_strid
       const T* s = sin + r * head_dim;
       for (int64_t h = 0; h < heads; h++) {
         T* v = x + r * row_stride + h * head_dim;
-#if defined(__AVX512F__)
-        if constexpr (std::is_same_v<T, float> || std::is_same_v<T, BFloat16>) {
-          for (int64_t i = 0; i < half; i += kLanes) {  // the scalar loop below, 16 lanes at a time
-            const __mmask16 mask = tail_mask(half - i);
-            const __m512 x1 = load16_masked(v + i, mask), x2 = load16_masked(v + i + half, mask);
-            const __m512 minus_x2 = _mm512_castsi512_ps(
-                _mm512_xor_si512(_mm512_castps_si512(x2), _mm512_set1_epi32(INT32_MIN)));
-            const __m512 lo = _mm512_add_ps(round16(_mm512_mul_ps(x1, load16_masked(c + i, mask)), v),
-                                            round16(_mm512_mul_ps(minus_x2, load16_masked(s + i, mask)), v));
-            const __m512 hi =
-                _mm512_add_ps(round16(_mm512_mul_ps(x2, load16_masked(c + i + half, mask)), v),
-                              round16(_mm512_mul_ps(x1, load16_masked(s + i + half, mask)), v));
-            store16_masked(v + i, lo, mask);
-            store16_masked(v + i + half, hi, mask);
+        int64_t i = 0;
+#if SPECDEC_VECTOR
+        if constexpr (kVectorised<T>)
+          for (; i + kVecLanes <= half; i += kVecLanes) {
+            const Vec x1 = vec_load(v + i), x2 = vec_load(v + i + half);
+            const Vec lo = vec_round(x1 * vec_load(c + i), v) + vec_round(-x2 * vec_load(s + i), v);
+            const Vec hi = vec_round(x2 * vec_load(c + i + half), v) + vec_round(x1 * vec_load(s + i + half), v);
+            vec_store(v + i, lo);
+            vec_store(v + i + half, hi);
           }
-          continue;
-        }
 #endif
 #pragma omp simd
-        for (int64_t i = 0; i < half; i++) {
-          const float x1 = load(v, i), x2 = load(v, i + half);
-          const float lo = round_to<T>(x1 * load(c, i)) + round_to<T>(-x2 * load(s, i));
-          const float hi = round_to<T>(x2 * load(c, i + half)) + round_to<T>(x1 * load(s, i + half));
-          v[i] = static_cast<T>(lo);
-          v[i + half] = static_cast<T>(hi);
+        for (int64_t j = i; j < half; j++) {
+          const float x1 = load(v, j), x2 = load(v, j + half);
+          const float lo = round_to<T>(x1 * load(c, j)) + round_to<T>(-x2 * load(s, j));
+          const float hi = round_to<T>(x2 * load(c, j + half)) + round_to<T>(x1 * load(s, j + half));
+          v[j] = static_cast<T>(lo);
+          v[j + half] = static_cast<T>(hi);
         }
       }
     }
@@ -195,7 +184,7 @@ void rope_rows(T* x, const T* cos, const T* sin, int64_t rows, int64_t row_strid
 // Attention of a padded group of sequences to keys read from the paged cache by slot.
 //
 // For sequence g, query j (of q_len[g]) sits at position c_len[g] - q_len[g] + j and sees the
-// keys at positions 0 .. that position. Without AVX-512 (see cached_attention_rows_avx512 for
+// keys at positions 0 .. that position. Without AVX-512 or AVX2 (see cached_attention_rows_vec for
 // the vectorised form), a work item is one sequence, one KV head and a tile of up to kQueryTile
 // of its queries, with the `share` query heads of that KV head: kShare * tile score rows. Keys
 // are taken kLanes at a time and transposed into a small buffer, so that one vector holds the
@@ -294,12 +283,13 @@ void cached_attention_rows(const T* q, int64_t q_row_stride, const T* k_cache, c
   });
 }
 
-#if defined(__AVX512F__)
-// The same attention with AVX-512, for head dims that are a multiple of 16. Each score is a dot
-// product over the head dimension in 16 lanes (one fused multiply-add per 16 dims, in order), its
-// lanes added as sum_lanes adds them: sum_lanes16 gives the scores of 16 keys at once. Softmax
-// sums run in 16 lanes and the same tree; each output element is a sum over the keys in order. A
-// row's bits depend on its own query and keys only.
+#if SPECDEC_VECTOR
+// The same attention with AVX-512 or AVX2, for head dims that are a multiple of 16. Each score is
+// a dot product over the head dimension in 16 lanes (one fused multiply-add per 16 dims, in
+// order), its lanes added as sum_lanes adds them: sum_lanes16 gives the scores of 16 keys at once.
+// Softmax sums run in 16 lanes and the same tree; each output element is a sum over the keys in
+// order. A row's bits depend on its own query and keys only, and AVX2 (16 lanes as two vectors of
+// 8) computes the AVX-512 bits.
 //
 // Work. A unit is one sequence, one query tile and one query head, numbered with the head
 // fastest; the threads take equal runs of units, and a thread serves the units of a run that
@@ -307,11 +297,13 @@ void cached_attention_rows(const T* q, int64_t q_row_stride, const T* k_cache, c
 // once per query head (as this kernel did first) cost a single float32 decode 2.5x the bytes, and
 // a 9-row verification at 1,600 keys ran at 5 GB/s; splitting by units rather than by KV heads
 // keeps a lone decode (3 KV heads, 9 query heads) spread evenly over the threads.
-constexpr int64_t kHeadChunks = 4;  // 16-wide pieces of the head dim kept in registers at once
+// vectors of the head dim kept in registers at once, for kFloatValueRows rows (AVX2 has 16
+// registers, AVX-512 32)
+constexpr int64_t kHeadChunks = kVecLanes == 16 ? 4 : 2;
 constexpr int64_t kFloatValueRows = 4;  // rows whose outputs are summed in one pass over the values
 constexpr int64_t kPrefetch = 32;  // keys ahead of the scores being computed whose rows are fetched
 
-// acc[r] += p[r][c] * value[c] for R rows and C pieces of the head dim from `offset`, over each
+// acc[r] += p[r][c] * value[c] for R rows and C vectors of the head dim from `offset`, over each
 // key c row r sees (its first visible[r]), then row r is stored to outs[r] + the piece's start.
 // Out of line: inlined into the kernel's item loop, GCC kept the R x C sums in memory, a load
 // and a store around every multiply-add; on its own it keeps them in registers (the same adds in
@@ -322,35 +314,35 @@ __attribute__((noinline)) void weigh_values(const T* v_cache, const int64_t* slo
                                             int64_t slot_stride, int64_t offset,
                                             const float* const* probs, const int64_t* visible,
                                             T* const* outs) {
-  __m512 acc[R][C];
+  Vec acc[R][C];
   for (int r = 0; r < R; r++)
-    for (int ch = 0; ch < C; ch++) acc[r][ch] = _mm512_setzero_ps();
+    for (int ch = 0; ch < C; ch++) acc[r][ch] = vec_set1(0.0f);
   int64_t seen = 0;
   for (int r = 0; r < R; r++) seen = std::max(seen, visible[r]);
   for (int64_t c = 0; c < seen; c++) {
     const T* value = v_cache + slots[c] * slot_stride + offset;
-    __m512 v[C];
-    for (int ch = 0; ch < C; ch++) v[ch] = load16(value + ch * kLanes);
+    Vec v[C];
+    for (int ch = 0; ch < C; ch++) v[ch] = vec_load(value + ch * kVecLanes);
     for (int r = 0; r < R; r++) {
       if (c >= visible[r]) continue;
-      const __m512 p = _mm512_set1_ps(probs[r][c]);
-      for (int ch = 0; ch < C; ch++) acc[r][ch] = _mm512_fmadd_ps(p, v[ch], acc[r][ch]);
+      const Vec p = vec_set1(probs[r][c]);
+      for (int ch = 0; ch < C; ch++) acc[r][ch] = vec_fma(p, v[ch], acc[r][ch]);
     }
   }
   for (int r = 0; r < R; r++) {
-    float row[C * kLanes];
-    for (int ch = 0; ch < C; ch++) _mm512_storeu_ps(row + ch * kLanes, acc[r][ch]);
-    for (int i = 0; i < C * kLanes; i++) outs[r][i] = static_cast<T>(row[i]);
+    float row[C * kVecLanes];
+    __builtin_memcpy(row, acc[r], sizeof(acc[r]));
+    for (int i = 0; i < C * kVecLanes; i++) outs[r][i] = static_cast<T>(row[i]);
   }
 }
 
-// weigh_values for R rows over the whole head dim, kHeadChunks pieces at a time.
+// weigh_values for R rows over the whole head dim (`chunks` vectors), kHeadChunks at a time.
 template <typename T, int R>
 inline void weigh_values_chunks(int64_t chunks, const T* v_cache, const int64_t* slots,
                                 int64_t slot_stride, int64_t offset, const float* const* probs,
                                 const int64_t* visible, T* const* outs) {
   for (int64_t ch = 0; ch < chunks; ch += kHeadChunks) {
-    const int64_t d = ch * kLanes;
+    const int64_t d = ch * kVecLanes;
     T* shifted[R];
     for (int r = 0; r < R; r++) shifted[r] = outs[r] + d;
     switch (std::min<int64_t>(kHeadChunks, chunks - ch)) {
@@ -375,8 +367,43 @@ inline void softmax_row(float* sr, int64_t nv) {
   for (int64_t c = 0; c < nv; c++) sr[c] *= inv;
 }
 
+// The scaled scores of one query against 16 keys (rows of `chunks` * 16 float32 dims), into
+// dst[0..15]: per key, 16 lanes of fused multiply-adds over the head dim in order, then the tree.
+inline void score_keys16(const float* query, const float* const* keys, int64_t chunks, float scale,
+                         float* dst) {
+#if defined(__AVX512F__)
+  __m512 dot[kLanes];
+  for (int l = 0; l < kLanes; l++) dot[l] = _mm512_setzero_ps();
+  for (int64_t ch = 0; ch < chunks; ch++) {
+    const __m512 qv = _mm512_loadu_ps(query + ch * kLanes);
+    for (int l = 0; l < kLanes; l++)
+      dot[l] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(keys[l] + ch * kLanes), dot[l]);
+  }
+  _mm512_storeu_ps(dst, _mm512_mul_ps(sum_lanes16(dot), _mm512_set1_ps(scale)));
+#else
+  // 4 keys at a time: their 8 chains (lanes 0-7 and 8-15 of each) fill the FMA pipes, 16
+  // registers do not hold all 32 at once
+  __m256 dot[2 * kLanes], sums[2];
+  for (int l0 = 0; l0 < kLanes; l0 += 4) {
+    __m256 acc[8];
+    for (auto& a : acc) a = _mm256_setzero_ps();
+    for (int64_t ch = 0; ch < chunks; ch++) {
+      const __m256 lo = _mm256_loadu_ps(query + ch * kLanes), hi = _mm256_loadu_ps(query + ch * kLanes + 8);
+      for (int i = 0; i < 4; i++) {
+        const float* key = keys[l0 + i] + ch * kLanes;
+        acc[2 * i] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(key), acc[2 * i]);
+        acc[2 * i + 1] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(key + 8), acc[2 * i + 1]);
+      }
+    }
+    for (int i = 0; i < 8; i++) dot[2 * l0 + i] = acc[i];
+  }
+  sum_lanes16(dot, sums);
+  for (int i = 0; i < 2; i++) _mm256_storeu_ps(dst + 8 * i, _mm256_mul_ps(sums[i], _mm256_set1_ps(scale)));
+#endif
+}
+
 template <typename T>
-void cached_attention_rows_avx512(const T* q, int64_t q_row_stride, const T* k_cache,
+void cached_attention_rows_vec(const T* q, int64_t q_row_stride, const T* k_cache,
                                   const T* v_cache, const int64_t* query_index,
                                   const int64_t* key_slots, const int64_t* q_len,
                                   const int64_t* c_len, T* out, int64_t groups, int64_t width,
@@ -392,7 +419,7 @@ void cached_attention_rows_avx512(const T* q, int64_t q_row_stride, const T* k_c
     std::vector<float> queries(max_rows * head_dim), keys(kLanes * head_dim);
     std::unique_ptr<float[]> scores(new float[max_rows * padded_context]);  // rows' scores
     std::vector<int64_t> visible(max_rows);
-    std::vector<const T*> key_rows(kLanes);
+    std::vector<const float*> key_rows(kLanes);
     std::vector<const float*> probs(max_rows);
     std::vector<T*> outs(max_rows);
     for (int64_t first = begin; first < end;) {  // units first .. last - 1: one item
@@ -443,26 +470,15 @@ void cached_attention_rows_avx512(const T* q, int64_t q_row_stride, const T* k_c
           if constexpr (std::is_same_v<T, float>) {
             key_rows[l] = key;  // read in place
           } else {
-            for (int64_t ch = 0; ch < chunks; ch++)
-              _mm512_storeu_ps(keys.data() + l * head_dim + ch * kLanes, load16(key + ch * kLanes));
+            for (int64_t i = 0; i < head_dim; i += kVecLanes)
+              vec_store(keys.data() + l * head_dim + i, vec_load(key + i));
+            key_rows[l] = keys.data() + l * head_dim;
           }
         }
-        for (int64_t r = 0; r < rows; r++) {
-          if (c0 >= visible[r]) continue;
-          __m512 dot[kLanes];
-          for (int l = 0; l < kLanes; l++) dot[l] = _mm512_setzero_ps();
-          for (int64_t ch = 0; ch < chunks; ch++) {
-            const __m512 qv = _mm512_loadu_ps(queries.data() + r * head_dim + ch * kLanes);
-            for (int l = 0; l < kLanes; l++) {
-              const float* key = std::is_same_v<T, float>
-                                     ? reinterpret_cast<const float*>(key_rows[l])
-                                     : keys.data() + l * head_dim;
-              dot[l] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(key + ch * kLanes), dot[l]);
-            }
-          }
-          _mm512_storeu_ps(scores.get() + r * padded_context + c0,
-                           _mm512_mul_ps(sum_lanes16(dot), _mm512_set1_ps(scale)));
-        }
+        for (int64_t r = 0; r < rows; r++)
+          if (c0 < visible[r])
+            score_keys16(queries.data() + r * head_dim, key_rows.data(), chunks, scale,
+                         scores.get() + r * padded_context + c0);
       }
       for (int64_t r = 0; r < rows; r++) softmax_row(scores.get() + r * padded_context, visible[r]);
       for (int64_t r = 0; r < rows; r += kFloatValueRows) {
@@ -470,7 +486,7 @@ void cached_attention_rows_avx512(const T* q, int64_t q_row_stride, const T* k_c
         switch (std::min<int64_t>(kFloatValueRows, rows - r)) {
 #define SPECDEC_ROWS(R)                                                                      \
   case R:                                                                                    \
-    weigh_values_chunks<T, R>(chunks, v_cache, slots, slot_stride, h * head_dim, p,          \
+    weigh_values_chunks<T, R>(head_dim / kVecLanes, v_cache, slots, slot_stride, h * head_dim, p, \
                               visible.data() + r, outs.data() + r);                          \
     break;
           SPECDEC_ROWS(1)
@@ -850,8 +866,6 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   }
   auto out = torch::empty({groups, width, heads, head_dim}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "cached_attention", [&] {
-#if defined(__AVX512F__)
-    constexpr bool vectorised = std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, BFloat16>;
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<scalar_t, BFloat16>) if (head_dim % 64 == 0 && head_dim <= 2 * kMaxPairs) {
       cached_attention_bf16<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), k_cache.data_ptr<scalar_t>(),
@@ -861,11 +875,12 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k_ca
       return;
     }
 #endif
-    if constexpr (vectorised) if (head_dim % kLanes == 0) {
-      cached_attention_rows_avx512(q.data_ptr<scalar_t>(), q.stride(0),
-                                   k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), qi,
-                                   ks, ql, cl, out.data_ptr<scalar_t>(), groups, width, context,
-                                   kv_heads, heads / kv_heads, head_dim, static_cast<float>(scale));
+#if SPECDEC_VECTOR
+    if constexpr (kVectorised<scalar_t>) if (head_dim % kLanes == 0) {
+      cached_attention_rows_vec(q.data_ptr<scalar_t>(), q.stride(0), k_cache.data_ptr<scalar_t>(),
+                                v_cache.data_ptr<scalar_t>(), qi, ks, ql, cl,
+                                out.data_ptr<scalar_t>(), groups, width, context, kv_heads,
+                                heads / kv_heads, head_dim, static_cast<float>(scale));
       return;
     }
 #endif

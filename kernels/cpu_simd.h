@@ -6,7 +6,7 @@
 
 #include <torch/extension.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 namespace specdec_cpu {
 
@@ -196,6 +197,131 @@ inline void transpose16(__m512i* r) {
   }
 }
 #endif
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// AVX2 alone: the AVX-512 helpers above for vectors of 8 lanes, the same operations in the same
+// order (so the same bits). A 16-lane sum is two vectors, lanes 0-7 and 8-15.
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const BFloat16* p) {  // widened exactly: the bf16 bits are float32's high half
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// float32 -> bfloat16 bits in the low 16 of each 32-bit lane, rounded as to_bf16_bits rounds
+inline __m256i to_bf16_lanes8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(rounded),
+                                              _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC0)), nan));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(BFloat16* p, __m256 v) {
+  const __m256i packed = _mm256_packus_epi32(to_bf16_lanes8(v), _mm256_setzero_si256());
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
+}
+inline __m256 round8(__m256 v, const float*) { return v; }
+inline __m256 round8(__m256 v, const BFloat16*) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(to_bf16_lanes8(v), 16));
+}
+
+inline __m256 exp_approx8(__m256 x) {  // exp_approx16's steps
+  const __m256 clamped = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(clamped, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_sub_ps(_mm256_sub_ps(clamped, _mm256_mul_ps(n, _mm256_set1_ps(0.693145751953125f))),
+                                 _mm256_mul_ps(n, _mm256_set1_ps(1.428606765330187045e-06f)));
+  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+  const float coeffs[] = {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
+  for (float c : coeffs) p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(c));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  y = _mm256_blendv_ps(y, _mm256_set1_ps(__builtin_inff()), _mm256_cmp_ps(x, _mm256_set1_ps(88.0f), _CMP_GT_OQ));
+  return _mm256_blendv_ps(y, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ));
+}
+
+// The 16 lane sums of 16 vectors pairs, as sum_lanes adds them: v[2 * i] holds lanes 0-7 of sum
+// i and v[2 * i + 1] lanes 8-15. Lane j of the result pair (lanes 0-7, then 8-15) is sum j.
+inline void sum_lanes16(const __m256* v, __m256* out) {
+  __m256 half[16], quarter[8], eighth[4], total[2];
+  for (int i = 0; i < 16; i++) half[i] = _mm256_add_ps(v[2 * i], v[2 * i + 1]);  // l + (l + 8)
+  for (int i = 0; i < 8; i++) {  // halves h and h + 4 of sums 2i and 2i + 1: [2i q0-3 | 2i+1 q0-3]
+    const __m256 a = half[2 * i], b = half[2 * i + 1];
+    quarter[i] = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+  }
+  for (int i = 0; i < 4; i++) {  // q0 + q2 and q1 + q3 of four sums
+    const __m256 a = quarter[2 * i], b = quarter[2 * i + 1];
+    eighth[i] = _mm256_add_ps(_mm256_shuffle_ps(a, b, 0x44), _mm256_shuffle_ps(a, b, 0xEE));
+  }
+  for (int i = 0; i < 2; i++) {  // (q0 + q2) + (q1 + q3): sums 8i + {0, 2, 4, 6 | 1, 3, 5, 7}
+    const __m256 a = eighth[2 * i], b = eighth[2 * i + 1];
+    total[i] = _mm256_add_ps(_mm256_shuffle_ps(a, b, 0x88), _mm256_shuffle_ps(a, b, 0xDD));
+  }
+  const __m256i order = _mm256_set_epi32(7, 3, 6, 2, 5, 1, 4, 0);  // sum j to lane j
+  for (int i = 0; i < 2; i++) out[i] = _mm256_permutevar8x32_ps(total[i], order);
+}
+
+// softmax_exp_row (above) in vectors of 8: the same exponentials and the same 16 lane sums.
+// Scores past nv, up to the next multiple of 16, are overwritten (with zeros).
+inline float softmax_exp_row(float* sr, int64_t nv) {
+  const int64_t padded = (nv + kLanes - 1) / kLanes * kLanes;
+  float peak = sr[0];
+  for (int64_t c = 1; c < nv; c++) peak = std::max(peak, sr[c]);  // exact in any order
+  for (int64_t c = nv; c < padded; c++) sr[c] = -__builtin_inff();  // exp_approx8 gives 0
+  const __m256 shift = _mm256_set1_ps(peak);
+  __m256 total[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t c = 0; c < padded; c += 8) {
+    const __m256 e = exp_approx8(_mm256_sub_ps(_mm256_loadu_ps(sr + c), shift));
+    _mm256_storeu_ps(sr + c, e);
+    total[(c / 8) % 2] = _mm256_add_ps(total[(c / 8) % 2], e);
+  }
+  alignas(32) float lanes[kLanes];
+  _mm256_store_ps(lanes, total[0]);
+  _mm256_store_ps(lanes + 8, total[1]);
+  return 1.0f / sum_lanes(lanes);
+}
+#endif
+
+// Elementwise kernels, written once for AVX-512 (16 lanes) or AVX2 (8): `Vec` is the widest
+// float32 vector, with GCC's vector operators (+ - * / and unary minus, each rounded alone: the
+// build contracts nothing), and vec_* the loads, stores and steps the helpers above provide.
+#if defined(__AVX512F__)
+#define SPECDEC_VECTOR 1
+using Vec = __m512;
+constexpr int kVecLanes = 16;
+template <typename T>
+inline Vec vec_load(const T* p) { return load16(p); }
+inline void vec_store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline void vec_store(BFloat16* p, Vec v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16_bits(v)); }
+template <typename T>
+inline Vec vec_round(Vec v, const T* p) { return round16(v, p); }
+inline Vec vec_exp(Vec v) { return exp_approx16(v); }
+inline Vec vec_set1(float x) { return _mm512_set1_ps(x); }
+inline Vec vec_fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define SPECDEC_VECTOR 1
+using Vec = __m256;
+constexpr int kVecLanes = 8;
+template <typename T>
+inline Vec vec_load(const T* p) { return load8(p); }
+template <typename T>
+inline void vec_store(T* p, Vec v) { store8(p, v); }
+template <typename T>
+inline Vec vec_round(Vec v, const T* p) { return round8(v, p); }
+inline Vec vec_exp(Vec v) { return exp_approx8(v); }
+inline Vec vec_set1(float x) { return _mm256_set1_ps(x); }
+inline Vec vec_fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+#else
+#define SPECDEC_VECTOR 0
+#endif
+
+// T has vector code (float32 and bfloat16).
+template <typename T>
+constexpr bool kVectorised = SPECDEC_VECTOR && (std::is_same_v<T, float> || std::is_same_v<T, BFloat16>);
 
 #if defined(__AMX_TILE__)
 // An AMX tile configuration (palette 1): each tile's rows and bytes per row.

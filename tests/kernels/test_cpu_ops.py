@@ -334,20 +334,3 @@ def test_cached_attention_rejects_bad_indices() -> None:
     with pytest.raises(RuntimeError, match="outside the cache"):
         k = torch.randn(1, 2, 16)
         ext().write_kv_(k, k, cache, cache.clone(), torch.tensor([32]))
-
-
-@pytest.mark.skipif(os.environ.get("SPECDEC_SLOW_TESTS") != "1", reason="SPECDEC_SLOW_TESTS=1")
-@needs_kernels
-def test_the_build_without_avx512_computes_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The portable code paths (what a CPU without AVX-512 runs), compiled here with
-    ``-mno-avx512f``: a tiny model's logits as with torch's ops, linear rows row-invariant."""
-    portable = cpu_ops._build(("-mno-avx512f",), "specdec_cpu_ops_portable")
-    run = tiny_steps(tiny_model("qwen2"), torch.randint(0, 256, (24,)).tolist())  # a 4-row step
-    monkeypatch.setattr(cpu_ops, "extension_for", lambda t: portable)
-    got = run()
-    monkeypatch.setattr(cpu_ops, "extension_for", lambda t: None)
-    torch.testing.assert_close(got, run(), rtol=1e-5, atol=1e-5)
-    x, w = torch.randn(9, 40), torch.randn(7, 40)
-    rows = torch.cat([portable.linear(x[i : i + 1], w, None) for i in range(9)])
-    assert torch.equal(portable.linear(x, w, None), rows)
-    torch.testing.assert_close(rows, x @ w.T, rtol=1e-5, atol=1e-5)
