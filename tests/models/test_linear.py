@@ -8,7 +8,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.kernels import cpu_ops
-from specdec.models.linear import SMALL_ROWS, PackedLinear, RowLinear, can_prepack, prepack_linears
+from specdec.models import linear as linear_module
+from specdec.models.linear import (
+    SMALL_ROWS,
+    PackedLinear,
+    RowLinear,
+    can_prepack,
+    prepack_linears,
+    use_row_kernels,
+)
 from specdec.models.llama import LlamaForCausalLM
 from tests.tiny import tiny_model
 
@@ -93,6 +101,30 @@ def test_a_batch_invariant_bf16_model_runs_every_linear_on_packed_pairs() -> Non
         logits = model.compute_logits(hidden)
     expected = hidden.float() @ state["model.embed_tokens.weight"].float().T
     torch.testing.assert_close(logits.float(), expected, rtol=1.6e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not cpu_ops.enabled(), reason="no fused CPU kernels")
+@pytest.mark.parametrize("onednn", [False, True])
+def test_bf16_without_invariance_packs_pairs_only_where_onednn_cannot_pack(
+    onednn: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without invariance, bf16 linears on an AVX2 CPU (pair kernel in vector code, no oneDNN
+    bf16 packing) run the pair kernel, not ``F.linear``; where oneDNN packs, they are left to it."""
+    monkeypatch.setattr(linear_module, "vector_pair_kernels", lambda: True)
+    monkeypatch.setattr(linear_module, "can_prepack", lambda dtype: onednn)
+    plain = nn.Linear(64, 32).to(torch.bfloat16)
+    model = nn.Sequential(nn.Linear(64, 32).to(torch.bfloat16))
+    model[0].load_state_dict(plain.state_dict())
+    assert use_row_kernels(model, invariant=False) == (0 if onednn else 1)
+    if onednn:
+        assert type(model[0]) is nn.Linear
+        return
+    assert isinstance(model[0], RowLinear) and model[0].packed is not None
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        got = model[0](x)
+    expected = F.linear(x.float(), plain.weight.float(), plain.bias.float())
+    torch.testing.assert_close(got.float(), expected, rtol=1.6e-2, atol=2e-2)
 
 
 ROW_COUNTS = [*range(2, 19), 31, 32, 33, 64, 255, 256, 257, 300]  # register tiles of 1-8 rows,
