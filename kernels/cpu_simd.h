@@ -244,7 +244,7 @@ inline __m256 exp_approx8(__m256 x) {  // exp_approx16's steps
   return _mm256_blendv_ps(y, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ));
 }
 
-// The 16 lane sums of 16 vectors pairs, as sum_lanes adds them: v[2 * i] holds lanes 0-7 of sum
+// The 16-lane sums of 16 pairs of vectors, as sum_lanes adds them: v[2 * i] holds lanes 0-7 of sum
 // i and v[2 * i + 1] lanes 8-15. Lane j of the result pair (lanes 0-7, then 8-15) is sum j.
 inline void sum_lanes16(const __m256* v, __m256* out) {
   __m256 half[16], quarter[8], eighth[4], total[2];
