@@ -269,9 +269,19 @@ inline void sum_lanes16(const __m256* v, __m256* out) {
 // Scores past nv, up to the next multiple of 16, are overwritten (with zeros).
 inline float softmax_exp_row(float* sr, int64_t nv) {
   const int64_t padded = (nv + kLanes - 1) / kLanes * kLanes;
-  float peak = sr[0];
-  for (int64_t c = 1; c < nv; c++) peak = std::max(peak, sr[c]);  // exact in any order
   for (int64_t c = nv; c < padded; c++) sr[c] = -__builtin_inff();  // exp_approx8 gives 0
+  // The maximum in 4 vectors (a maximum is exact in any order; a scalar loop cost a long prompt
+  // row about as much as its scores)
+  __m256 top[4];
+  for (auto& t : top) t = _mm256_set1_ps(-__builtin_inff());
+  int64_t at = 0;
+  for (; at + 32 <= padded; at += 32)
+    for (int i = 0; i < 4; i++) top[i] = _mm256_max_ps(top[i], _mm256_loadu_ps(sr + at + 8 * i));
+  for (; at < padded; at += 8) top[0] = _mm256_max_ps(top[0], _mm256_loadu_ps(sr + at));
+  alignas(32) float peaks[8];
+  _mm256_store_ps(peaks, _mm256_max_ps(_mm256_max_ps(top[0], top[1]), _mm256_max_ps(top[2], top[3])));
+  float peak = peaks[0];
+  for (int i = 1; i < 8; i++) peak = std::max(peak, peaks[i]);
   const __m256 shift = _mm256_set1_ps(peak);
   __m256 total[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t c = 0; c < padded; c += 8) {
