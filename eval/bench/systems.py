@@ -125,6 +125,7 @@ class LlamaCpp:
     def generate(self, prompt: list[int], max_tokens: int) -> list[int]:
         self.model.reset()
         tokens: list[int] = []
+        how: dict[str, Any]  # typed loosely: llama_cpp's stubs, when installed, want per-key types
         if self.sampling.temperature:  # its own sampler, seeded per turn, top_p alone
             self.model.set_seed(self.sampling.turn_seed(prompt) % 2**31)
             how = {"temp": self.sampling.temperature, "top_p": self.sampling.top_p}
