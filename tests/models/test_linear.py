@@ -191,7 +191,8 @@ def test_bf16_packed_rows_are_invariant_on_every_path(build: str) -> None:
 def test_bf16_pairs_without_avx512_give_the_scalar_bits() -> None:
     """The AVX2 pair kernel adds each input pair as the scalar code does (even product, then
     odd, each exact in float32), 8 features to a vector: the same bits for every tile shape it
-    picks (1 row over 4 blocks, 2-3 rows over 2, more rows over 1)."""
+    picks (1 row over 4 blocks, 2-3 rows over 2, up to 11 rows over 1, and from 12 rows on
+    tiles of 6 rows read from a widened panel, the last tile partly spare)."""
     avx2 = cpu_ops._build(("-mno-avx512f",), "specdec_cpu_ops_avx2")
     scalar = cpu_ops._build(("-mno-avx512f", "-mno-avx2"), "specdec_cpu_ops_scalar")
     torch.manual_seed(0)
@@ -200,7 +201,7 @@ def test_bf16_pairs_without_avx512_give_the_scalar_bits() -> None:
         b = torch.randn(features[1]).to(torch.bfloat16)
         packed = avx2.pack_pairs(w)
         assert torch.equal(packed, scalar.pack_pairs(w))
-        for rows in (1, 2, 3, 9, 260):
+        for rows in (1, 2, 3, 9, 11, 12, 17, 260):
             x = torch.randn(rows, features[0]).to(torch.bfloat16)
             got = avx2.linear_pairs(x, packed, b, features[1])
             assert torch.equal(got, scalar.linear_pairs(x, packed, b, features[1])), rows
