@@ -20,7 +20,8 @@ from specdec.kernels.cpu_quant import (
 from specdec.models.quant import quantize
 
 needs_kernels = pytest.mark.skipif(not cpu_ops.enabled(), reason="no fused CPU kernels")
-ROW_COUNTS = [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 127, 128, 129, 200]  # 16s: AMX tiles
+ROW_COUNTS = [1, 2, 3, 4, 5, 7, 8, 9, 12, 13, 14, 16, 17, 33, 127, 128, 129, 200]  # 16s: AMX tiles;
+# from 12 on, AVX2's wide tiles of 3 rows (12, 13, 14: a full last tile, then 1 and 2 rows of it)
 SHAPES = [(576, 960), (1536, 576), (64, 40), (96, 7)]  # (in, out); 40 and 7: a padded block
 
 
@@ -120,7 +121,8 @@ def _check_rows(kernels, bits: int, dtype: torch.dtype, int8_activations: bool) 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_do_not_depend_on_the_row_count(bits, dtype, int8_activations) -> None:
     """A row gets the same bits alone, in a tile of 2-8, in a 16-row AMX tile (int8 activations,
-    where the CPU has AMX), and across the 128-row chunks."""
+    where the CPU has AMX), in AVX2's wide tiles (float activations, chunks of 12 rows or more),
+    and across the 128-row chunks."""
     _check_rows(cpu_ops.extension(), bits, dtype, int8_activations)
 
 
