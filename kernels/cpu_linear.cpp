@@ -321,11 +321,13 @@ inline float bf16_bits_to_float(uint32_t bits16) {
   return f;
 }
 
-// y[m, n] for rows m of one group; `sum(r, n_in_group)` gives row r's float32 sum.
+// y[m, n] for rows m of one group (or of `features` features from n0); `sum(r, j)` gives row r's
+// float32 sum for feature n0 + j.
 template <typename Sum>
 inline void store_group(const Sum& sum, const BFloat16* bias, BFloat16* y, int64_t out,
-                        int64_t m0, int rows, int64_t n0) {
-  const int64_t n = std::min<int64_t>(kGroupBlocks * kPairBlock, out - n0);
+                        int64_t m0, int rows, int64_t n0,
+                        int64_t features = kGroupBlocks * kPairBlock) {
+  const int64_t n = std::min<int64_t>(features, out - n0);
   for (int r = 0; r < rows; r++)
     for (int64_t j = 0; j < n; j++) {
       const float total = sum(r, j);
@@ -423,13 +425,8 @@ inline void pair_tile(const float* xf, int64_t stride, const uint32_t* w, const 
   alignas(32) float sums[R][8 * V];
   for (int r = 0; r < R; r++)
     for (int v = 0; v < V; v++) _mm256_store_ps(sums[r] + 8 * v, acc[r][v]);
-  const int64_t n0 = b0 * kPairBlock;
-  const int64_t n = std::min<int64_t>(8 * V, l.out - n0);
-  for (int r = 0; r < R; r++)
-    for (int64_t j = 0; j < n; j++) {
-      const float total = sums[r][j];
-      y[(m0 + r) * l.out + n0 + j] = static_cast<BFloat16>(bias ? total + load(bias, n0 + j) : total);
-    }
+  store_group([&](int r, int64_t j) { return sums[r][j]; }, bias, y, l.out, m0, R, b0 * kPairBlock,
+              8 * V);
 }
 
 // pair_tile<size, blocks>, for `size` up to R and `blocks` up to B.
@@ -509,12 +506,8 @@ inline void wide_tile(const float* xf, int64_t stride, int64_t rows, const float
   for (int r = 0; r < kWideRows; r++) x[r] = xf + std::min<int64_t>(r, rows - 1) * stride;
   alignas(32) float sums[kWideRows][kPairBlock];
   wide_sums(x, panel, 2 * l.pairs, sums[0]);  // past an odd width: a zero input, a zero weight
-  const int64_t n0 = block * kPairBlock, n = std::min<int64_t>(kPairBlock, l.out - n0);
-  for (int64_t r = 0; r < rows; r++)
-    for (int64_t j = 0; j < n; j++) {
-      const float total = sums[r][j];
-      y[(m0 + r) * l.out + n0 + j] = static_cast<BFloat16>(bias ? total + load(bias, n0 + j) : total);
-    }
+  store_group([&](int r, int64_t j) { return sums[r][j]; }, bias, y, l.out, m0,
+              static_cast<int>(rows), block * kPairBlock, kPairBlock);
 }
 
 void pair_linear_rows(const BFloat16* x, const uint32_t* w, const BFloat16* bias, BFloat16* y,

@@ -206,9 +206,9 @@ inline void quant_tile(const float* x, const float* xsum, const uint8_t* codes,
   quant_rows_avx2<R, BITS>(x, xsum, codes, scales, mins, l, block, totals);
 }
 
-// Prompt chunks (kWideMinRows rows or more) go group by group: a block's codes for one group are
-// widened to float32 once, a panel [32 inputs][16 features] that stays in L1, and every tile of
-// 3 rows of the chunk reads it, 12 chains (even and odd inputs of 3 rows and 2 halves) in named
+// Prompt chunks (kWideMinRows rows or more) go a few groups at a time: a block's codes for
+// kWideGroups groups are widened to float32 once, a panel [4 x 32 inputs][16 features] (8 KB)
+// that stays in L1, and every tile of 3 rows of the chunk reads it group by group, 12 chains (even and odd inputs of 3 rows and 2 halves) in named
 // registers, with two weight vectors and an input: 15 ymm. The rows' totals wait in a buffer
 // between groups. Each lane's operations are quant_half_tile's, in its order (the chains from
 // zero over the group, their sum times the scale, the minimum times the row's group sum): the
