@@ -419,6 +419,10 @@ void cached_attention_rows_vec(const T* q, int64_t q_row_stride, const T* k_cach
   const int64_t max_rows = share * std::min(width, kQueryTile);
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> queries(max_rows * head_dim), keys(kLanes * head_dim);
+    // locals, not the captured references and the vector: GCC reloaded both from memory after
+    // every store of the keys' conversion loop (a bf16 decode at 1,200 keys: 70 -> 62 us a layer)
+    const int64_t dim = head_dim;
+    float* const key_buffer = keys.data();
     std::unique_ptr<float[]> scores(new float[max_rows * padded_context]);  // rows' scores
     std::vector<int64_t> visible(max_rows);
     std::vector<const float*> key_rows(kLanes);
@@ -471,13 +475,13 @@ void cached_attention_rows_vec(const T* q, int64_t q_row_stride, const T* k_cach
           }
         }
         for (int64_t l = 0; l < kLanes; l++) {  // keys c0 .. c0 + 15, as float32 rows
-          const T* key = k_cache + slots[c0 + std::min(l, n - 1)] * slot_stride + h * head_dim;
+          const T* key = k_cache + slots[c0 + std::min(l, n - 1)] * slot_stride + h * dim;
           if constexpr (std::is_same_v<T, float>) {
             key_rows[l] = key;  // read in place
           } else {
-            for (int64_t i = 0; i < head_dim; i += kVecLanes)
-              vec_store(keys.data() + l * head_dim + i, vec_load(key + i));
-            key_rows[l] = keys.data() + l * head_dim;
+            float* row = key_buffer + l * dim;
+            for (int64_t i = 0; i < dim; i += kVecLanes) vec_store(row + i, vec_load(key + i));
+            key_rows[l] = row;
           }
         }
         for (int64_t r = 0; r < rows; r++)

@@ -105,6 +105,28 @@ def test_bf16_activations_quantize_as_their_float32_values(bits: int) -> None:
     assert torch.equal(from_bf16, from_float.to(torch.bfloat16))
 
 
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_activation_sums_at_their_extremes(bits: int) -> None:
+    """Codes and activations at their largest magnitudes, with one sign through a whole group:
+    the integer sums the byte products build (in int16 lanes for a while on AVX2) stay exact, so
+    the kernel gives the reference's result for 1 row and for tiles of several."""
+    out, width = 24, 96
+    extreme = 15 if bits == 4 else -128
+    codes = torch.full((out, width), extreme, dtype=torch.uint8 if bits == 4 else torch.int8)
+    codes[1::2, 32:64] = 0 if bits == 4 else 127  # features whose second group has the other end
+    scales = torch.full((out, width // 32), 0.5, dtype=torch.float16)
+    mins = torch.zeros_like(scales) if bits == 4 else None
+    weight = QuantWeight(codes, scales, mins)
+    x = torch.ones(5, width) * torch.tensor([1.0, -1.0, 3.0, -2.0, 0.5]).view(5, 1)
+    x[2, 40] = 0.01  # one group whose codes are not all 127
+    packed = pack(weight, True)
+    expected = quant_linear_reference(x, weight, None, True)
+    for rows in (1, 2, 5):
+        got = quant_linear(cpu_ops.extension(), x[:rows], packed)
+        torch.testing.assert_close(got, expected[:rows], rtol=1e-5, atol=1e-3)
+
+
 def _check_rows(kernels, bits: int, dtype: torch.dtype, int8_activations: bool) -> None:  # noqa: ANN001
     for shape in SHAPES:
         packed = pack(random_weight(shape, bits), int8_activations)
