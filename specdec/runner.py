@@ -219,7 +219,11 @@ class ModelRunner:
         logits, hidden, token_hidden = self.forward(chunks)
         kept = token_hidden if keep_token_hidden_states else None
         starts = [c.start for c in chunks]
-        prompt = self._prompt_logprobs(out, token_hidden)
+        prompt = (  # most steps: no sequence asked (the check costs a tenth of the call)
+            self._prompt_logprobs(out, token_hidden)
+            if any(seq.params.prompt_logprobs is not None for seq in out.seqs)
+            else {}
+        )
         return StepResult(logits, hidden, sample_indices, num_logit_rows, starts, kept, prompt)
 
     @torch.inference_mode()

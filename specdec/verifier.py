@@ -165,10 +165,19 @@ class Verifier:
         starts = [0, *itertools.accumulate(num_rows)]  # first row of each sequence
         tokens: list[list[int]] = [[] for _ in seqs]
         live = list(range(len(seqs)))  # sequences whose drafts so far were all accepted
+        # Greedy rows that nothing constrains (at position 0, so at every later one: only
+        # min_tokens depends on the position) take the argmax of their raw rows: all rows at once,
+        # in place, instead of a copy of each position's rows (38 us a row of the default model).
+        argmax = None
+        if all(seq.params.is_greedy and is_unconstrained(seq, 0) for seq in seqs):
+            argmax = row_argmax(logits).tolist()
         j = 0  # draft position
         while live:
-            row_tokens = self._row_tokens(
-                [seqs[i] for i in live], logits[[starts[i] + j for i in live]], j
+            rows = [starts[i] + j for i in live]
+            row_tokens = (
+                [argmax[r] for r in rows]
+                if argmax is not None
+                else self._row_tokens([seqs[i] for i in live], logits[rows], j)
             )
             for i, token in zip(live, row_tokens):
                 tokens[i].append(token)

@@ -127,3 +127,39 @@ def test_a_greedy_unconstrained_draft_is_the_argmax_and_a_biased_one_is_not():
                                                         logit_bias={worst: 100.0}))  # fmt: skip
     tokens = verifier_module.draft_tokens(logits.clone(), seqs)
     assert tokens[1] == worst and tokens[0] == int(logits[0].argmax())
+
+
+def test_greedy_rows_are_read_in_place_unless_a_row_is_constrained(monkeypatch) -> None:
+    """A step whose rows are all greedy and unconstrained takes each row's argmax without the
+    full rule (no copy of the rows); one constrained row (min_tokens against the EOS that tops
+    its row) sends the step through the full rule, which must then keep the EOS out."""
+    greedy, eos = SamplingParams(temperature=0, max_tokens=8), 2
+    logits = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(3))
+    logits[3, eos] = 50.0  # the second sequence's first row: the EOS on top
+    argmax = logits.argmax(-1).tolist()
+    calls: list[int] = []
+    next_tokens = verifier_module.next_tokens
+
+    def counting(rows: torch.Tensor, params: list, keys: list) -> list[int]:
+        calls.append(len(keys))
+        return next_tokens(rows, params, keys)
+
+    monkeypatch.setattr(verifier_module, "next_tokens", counting)
+
+    def step(second: SamplingParams) -> tuple[SchedulerOutput, StepResult]:
+        seqs = [Sequence(0, [1, 2, 3], 3, greedy, eos_token_ids=(eos,)),
+                Sequence(1, [1, 2, 3], 3, second, eos_token_ids=(eos,))]  # fmt: skip
+        seqs[0].spec_token_ids = [argmax[0], argmax[1]]  # both accepted, then the bonus
+        seqs[1].spec_token_ids = [eos]
+        for seq in seqs:
+            seq.num_computed_tokens = 2
+        hidden = torch.zeros(5, 4)
+        return SchedulerOutput(seqs, [3, 2]), StepResult(logits, hidden, [0, 1], [3, 2])
+
+    before = logits.clone()
+    emitted = Verifier().verify(*step(greedy)).emitted
+    assert emitted == [argmax[:3], [eos, argmax[4]]] and calls == []
+    assert torch.equal(logits, before)  # read in place, left as it was
+    emitted = Verifier().verify(*step(SamplingParams(temperature=0, max_tokens=8, min_tokens=4)))
+    assert emitted.emitted[1] == [int(logits[3].topk(2).indices[1])]  # the EOS banned: rejected
+    assert emitted.emitted[0] == argmax[:3] and calls and torch.equal(logits, before)

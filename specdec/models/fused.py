@@ -44,6 +44,7 @@ class FusedStack:
 
     def __init__(self, model: LlamaForCausalLM, kernels: Any, linears: list[list[Any]]):
         self.model, self.kernels, self.linears = model, kernels, linears
+        self.attentions = model.attention_layers  # the layers whose K/V tensors the stack holds
         self.caches: list[torch.Tensor] = []  # the K/V tensors the stack was built with
         self.stack: Any = None
 
@@ -85,9 +86,13 @@ class FusedStack:
         )  # fmt: skip
 
     def _current(self) -> Any:
-        caches = [t for a in self.model.attention_layers for t in (a.k_cache, a.v_cache)]
-        if self.stack is None or any(a is not b for a, b in zip(caches, self.caches)):
-            self.caches = caches
+        # Called every step: a walk over the layers kept at build time, not the model's
+        # attention_layers (a list built per call, 24 us of a 35 us check).
+        if self.stack is None or any(
+            a.k_cache is not k or a.v_cache is not v
+            for a, k, v in zip(self.attentions, self.caches[::2], self.caches[1::2])
+        ):
+            self.caches = [t for a in self.attentions for t in (a.k_cache, a.v_cache)]
             cfg, model, k = self.model.config, self.model, self.kernels
             decoder_layers: list[Any] = list(model.layers)
             layers = [
@@ -100,7 +105,7 @@ class FusedStack:
                 )
                 for layer, linears in zip(decoder_layers, self.linears)
             ]
-            attn = model.attention_layers[0]
+            attn = self.attentions[0]
             self.stack = k.DecoderStack(
                 layers, model.norm.weight, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                 attn.scale, cfg.rms_norm_eps,
