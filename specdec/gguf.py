@@ -15,12 +15,20 @@ rows with their scales, so the result matches the float weights the loader produ
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
 import pathlib
+import tempfile
 
 import numpy as np
+import safetensors.torch
 import torch
 
 from specdec.kernels.cpu_quant import GROUP, QuantWeight
+
+logger = logging.getLogger(__name__)
+CACHE_FORMAT = 1  # bump when what read_quantized returns changes
 
 Q4_1, Q8_0 = "Q4_1", "Q8_0"  # the GGML types read here
 _PROJECTIONS = {
@@ -67,6 +75,61 @@ def read_quantized(
     if head_weight is not None:
         weights["lm_head"] = head_weight
     return weights
+
+
+def read_quantized_cached(
+    path: str | pathlib.Path, num_heads: int, num_kv_heads: int, cache: pathlib.Path
+) -> dict[str, QuantWeight]:
+    """:func:`read_quantized`, kept in a safetensors file under ``cache`` after the first read.
+
+    gguf's reader parses every metadata field (the vocabulary's 49,152 strings in the default
+    model's file) and copies the tensors through numpy memmaps: 4-5 s of every
+    ``LLM(quantization=...)`` and ``quantized_self`` start, against about 1 s for a float one.
+    The cache file is named by the GGUF file's resolved path, size and modification time and the
+    head counts, so an edited or replaced file is read again; a cache that cannot be read or
+    written is read around, with a warning, never trusted half-written (it is renamed into place).
+    """
+    path = pathlib.Path(path)
+    stat = path.stat()
+    identity = f"{CACHE_FORMAT}\n{path.resolve()}\n{stat.st_size}\n{stat.st_mtime_ns}"
+    identity += f"\n{num_heads}\n{num_kv_heads}"
+    cached = cache / f"{hashlib.sha256(identity.encode()).hexdigest()[:24]}.safetensors"
+    if cached.is_file():
+        try:
+            return _from_tensors(safetensors.torch.load_file(cached))
+        except Exception as error:  # a damaged file: read the GGUF again and replace it
+            logger.warning("specdec: ignoring the unreadable cache %s (%s)", cached, error)
+    weights = read_quantized(path, num_heads, num_kv_heads)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        handle, staging = tempfile.mkstemp(prefix=f".{cached.name}.", dir=cache)
+        os.close(handle)
+        try:
+            safetensors.torch.save_file(_to_tensors(weights), staging)
+            os.replace(staging, cached)
+        finally:
+            if os.path.exists(staging):
+                os.remove(staging)
+    except OSError as error:
+        logger.warning("specdec: could not cache %s's quantized weights (%s)", path, error)
+    return weights
+
+
+def _to_tensors(weights: dict[str, QuantWeight]) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for name, w in weights.items():
+        tensors[f"{name}.codes"], tensors[f"{name}.scales"] = w.codes, w.scales
+        if w.mins is not None:
+            tensors[f"{name}.mins"] = w.mins
+    return tensors
+
+
+def _from_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, QuantWeight]:
+    names = [key.removesuffix(".codes") for key in tensors if key.endswith(".codes")]
+    return {
+        n: QuantWeight(tensors[f"{n}.codes"], tensors[f"{n}.scales"], tensors.get(f"{n}.mins"))
+        for n in names
+    }
 
 
 def _architecture(reader) -> str:  # noqa: ANN001 - a gguf.GGUFReader

@@ -32,7 +32,7 @@ import safetensors.torch
 import torch
 import transformers
 
-from specdec.gguf import read_quantized
+from specdec.gguf import read_quantized_cached
 from specdec.kernels.cpu_quant import QuantWeight
 
 logger = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ def prequantized_weights(checkpoint: LoadedCheckpoint) -> dict[str, QuantWeight]
     config = checkpoint.config
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return read_quantized(checkpoint.gguf_path, heads, kv_heads)
+    return read_quantized_cached(checkpoint.gguf_path, heads, kv_heads, cache_dir() / "quantized")
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
