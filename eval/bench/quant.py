@@ -17,7 +17,8 @@ process taking turns prompt by prompt (so drift in the machine's speed hits all 
 
 It reports tokens/s and each system's ratio to float32 and to llama.cpp, whether each engine's
 output equals its own plain decoding (``quantized_self`` against ``bfloat16``), the
-``quantized_self`` acceptance per draft position and mean accepted length, and the quality of
+``quantized_self`` acceptance per draft position and mean accepted length, the weights each
+decode step reads and the bound they put on every ratio (:func:`bytes_bound`), and the quality of
 each quantization against float32: top-1 agreement of greedy next tokens and the mean
 log-likelihood difference, teacher-forced over float32's own continuations. As a module it
 writes ``eval/results/quant.{json,md}``; in ``specdec bench`` the figures join the report.
@@ -170,13 +171,34 @@ def weight_change(reference: torch.nn.Module, quantized: torch.nn.Module) -> flo
     return (moved / total) ** 0.5
 
 
+def weight_mb(llm: LLM) -> float:
+    """Megabytes of weights one decode step of ``llm``'s target reads (its floor: decode
+    streams every matrix once)."""
+    return llm.engine.runner.model.weight_bytes_per_step() / 1e6
+
+
+def bytes_bound(target_mb: float, draft_mb: float, drafts: float, accepted: float) -> float:
+    """The most a drafter can gain on its target's plain decoding when both stream their weights
+    from memory at the same rate: a verification emits ``accepted`` tokens (bonus included)
+    for ``drafts`` draft steps of ``draft_mb`` and one target step of ``target_mb``, where plain
+    decoding reads ``target_mb`` a token."""
+    return accepted * target_mb / (drafts * draft_mb + target_mb)
+
+
 def spec_summary(llm: LLM) -> dict[str, Any]:
     stats = llm.engine.verifier.stats
+    steps = max(stats.num_verify_steps, 1)
+    drafter = getattr(llm.engine.drafter, "runner", None)  # a draft model's own forwards
+    draft_mb = 0.0 if drafter is None else drafter.model.weight_bytes_per_step() / 1e6
+    target_mb, drafts = weight_mb(llm), stats.num_draft_tokens / steps
     return {
         "verify_steps": stats.num_verify_steps,
         "acceptance_rate": stats.acceptance_rate,
         "mean_accepted_length": stats.mean_accepted_length,
         "acceptance_per_position": stats.acceptance_per_position,
+        "drafts_per_verification": drafts,
+        "draft_mb": draft_mb,
+        "bytes_bound": bytes_bound(target_mb, draft_mb, drafts, stats.mean_accepted_length),
     }
 
 
@@ -221,6 +243,22 @@ def markdown(result: dict[str, Any]) -> str:
             f"{spec['mean_accepted_length']:.2f} tokens (bonus included), acceptance rate "
             f"{spec['acceptance_rate']:.3f}, per position "
             + ", ".join(f"{a:.2f}" for a in spec["acceptance_per_position"])
+        )
+    mb = result["weight_mb"]
+    lines += [
+        "",
+        "Weights a decode step reads (MB), and so the most each can gain on float32 in decode "
+        "when weights stream from memory: "
+        + ", ".join(
+            f"{n} {v:.0f} ({mb['float32'] / v:.1f}x)" for n, v in mb.items() if n not in SPECULATIVE
+        ),
+    ]
+    for name, spec in result["speculation"].items():
+        lines.append(
+            f"{name}: {spec['draft_mb']:.0f} MB a draft step, {mb[name]:.0f} MB a verification; "
+            f"at {spec['drafts_per_verification']:.2f} drafts and "
+            f"{spec['mean_accepted_length']:.2f} tokens a verification, bytes bound it at "
+            f"{spec['bytes_bound']:.2f}x its target's plain decoding"
         )
     lines += [
         "",
@@ -279,6 +317,7 @@ def run_quant(
             name: spec_summary(systems[name]) for name in SPECULATIVE if name in systems
         },
         "quality": quality_report,
+        "weight_mb": {n: weight_mb(llm) for n, llm in systems.items() if isinstance(llm, LLM)},
         "notes": notes,
         "int4_equals_float32": outputs.get("int4") == outputs["float32"]
         if "int4" in outputs

@@ -15,6 +15,7 @@ from specdec.cli import main
 from specdec.eval.bench import BenchConfig, run_bench
 from specdec.eval.bench.load import arrival_times, break_even, run_in_process
 from specdec.eval.bench.offline import run_offline
+from specdec.eval.bench.quant import bytes_bound
 from specdec.eval.bench.recommend import recommend
 from specdec.eval.bench.report import offline_markdown
 from specdec.eval.bench.systems import PLAIN, EngineSystem
@@ -338,7 +339,26 @@ def test_quant_mode_measures_speed_exactness_and_quality(tmp_path, monkeypatch):
     assert quant["quality"]["int4"]["weight_rel_change"] == 0  # the GGUF file's own codes
     assert quant["quality"]["w8a8"]["weight_rel_change"] > 0  # int8 re-rounds the 4-bit values
     assert quant["styles"] == ["qa", "summarization"]
+    mb, spec = quant["weight_mb"], quant["speculation"][QSELF]
+    assert 1.9 < mb["float32"] / mb["bfloat16"] < 2.1  # 4 bytes a weight against 2
+    assert mb[QSELF] == mb["bfloat16"] and 0 < spec["draft_mb"] < mb["bfloat16"] / 2
+    assert spec["bytes_bound"] == pytest.approx(
+        bytes_bound(
+            mb[QSELF],
+            spec["draft_mb"],
+            spec["drafts_per_verification"],
+            spec["mean_accepted_length"],
+        )
+    )
     report = (tmp_path / "bench.md").read_text()
     assert "## Quantized weights and quantized_self" in report and f"| {QSELF} |" in report
+    assert "bytes bound it at" in report
     with pytest.raises(ValueError, match="systems must include float32"):
         run_bench(BenchConfig(modes=("quant",), quant_systems=("int4",), out=tmp_path))
+
+
+def test_the_bytes_bound_of_a_drafter() -> None:
+    """A verification's tokens against the weights its drafts and its target step read."""
+    assert bytes_bound(268, 98, 8, 6.89) == pytest.approx(1.755, abs=1e-3)  # quantized_self
+    assert bytes_bound(100, 0, 0, 1) == 1  # no drafts: plain decoding's own rate
+    assert bytes_bound(100, 50, 2, 1) == 0.5  # two drafts a step, every one rejected
