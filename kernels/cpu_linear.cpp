@@ -170,7 +170,7 @@ inline void dot_tile8(const T* x, const T* wb, int64_t in, __m256* acc, const T*
   }
 }
 
-// y for R rows from m0 and B features from n0, each sum reduced by sum_lanes.
+// y for R rows from m0 and B features from n0, each sum reduced by sum_lanes8x2.
 template <typename T, int R, int B>
 inline void linear_tile8(const T* x, const T* w, const T* bias, T* y, int64_t in, int64_t out,
                          int64_t m0, int64_t n0, const T* next) {
