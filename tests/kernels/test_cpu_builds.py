@@ -32,6 +32,11 @@ def test_the_build_without_avx512_computes_the_same(monkeypatch: pytest.MonkeyPa
     rows = torch.cat([portable.linear(x[i : i + 1], w, None) for i in range(9)])
     assert torch.equal(portable.linear(x, w, None), rows)
     torch.testing.assert_close(rows, x @ w.T, rtol=1e-5, atol=1e-5)
+    # The AVX2 tiles add each sum's lanes in the AVX-512 tiles' tree (in registers, two halves
+    # of 8): the float32 linear's bits are the native build's, every row count and tail.
+    for rows_, n_in, n_out in [(1, 576, 960), (5, 40, 7), (9, 1536, 13), (17, 13, 33)]:
+        x, w, bias = torch.randn(rows_, n_in), torch.randn(n_out, n_in), torch.randn(n_out)
+        assert torch.equal(portable.linear(x, w, bias), ext().linear(x, w, bias))
 
 
 @needs_kernels
