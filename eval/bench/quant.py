@@ -171,10 +171,10 @@ def weight_change(reference: torch.nn.Module, quantized: torch.nn.Module) -> flo
     return (moved / total) ** 0.5
 
 
-def weight_mb(llm: LLM) -> float:
-    """Megabytes of weights one decode step of ``llm``'s target reads (its floor: decode
-    streams every matrix once)."""
-    return llm.engine.runner.model.weight_bytes_per_step() / 1e6
+def weight_mb(model: Any) -> float:
+    """Megabytes of weights one decode step of ``model`` reads (its floor: decode streams every
+    matrix once)."""
+    return model.weight_bytes_per_step() / 1e6
 
 
 def bytes_bound(target_mb: float, draft_mb: float, drafts: float, accepted: float) -> float:
@@ -189,8 +189,8 @@ def spec_summary(llm: LLM) -> dict[str, Any]:
     stats = llm.engine.verifier.stats
     steps = max(stats.num_verify_steps, 1)
     drafter = getattr(llm.engine.drafter, "runner", None)  # a draft model's own forwards
-    draft_mb = 0.0 if drafter is None else drafter.model.weight_bytes_per_step() / 1e6
-    target_mb, drafts = weight_mb(llm), stats.num_draft_tokens / steps
+    draft_mb = 0.0 if drafter is None else weight_mb(drafter.model)
+    target_mb, drafts = weight_mb(llm.engine.runner.model), stats.num_draft_tokens / steps
     return {
         "verify_steps": stats.num_verify_steps,
         "acceptance_rate": stats.acceptance_rate,
@@ -317,7 +317,11 @@ def run_quant(
             name: spec_summary(systems[name]) for name in SPECULATIVE if name in systems
         },
         "quality": quality_report,
-        "weight_mb": {n: weight_mb(llm) for n, llm in systems.items() if isinstance(llm, LLM)},
+        "weight_mb": {
+            n: weight_mb(llm.engine.runner.model)
+            for n, llm in systems.items()
+            if isinstance(llm, LLM)
+        },
         "notes": notes,
         "int4_equals_float32": outputs.get("int4") == outputs["float32"]
         if "int4" in outputs
