@@ -242,7 +242,7 @@ class EngineConfig:
     max_model_len: int | None = None  # longest prompt + output; None takes the model's limit
     enable_prefix_caching: bool = True  # reuse full KV blocks across requests by content hash
     # Every row's result independent of the rest of the step (exact speculation in bfloat16);
-    # None: on for bfloat16 where oneDNN is available (see specdec.attention).
+    # None: on for bfloat16 where its kernels have vector code (AVX-512, or AVX2 and FMA).
     batch_invariant: bool | None = None
     device: str = "auto"  # "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N"
     # CUDA: the share of the device's memory the engine may hold (weights, activations and the
