@@ -191,3 +191,77 @@ def test_the_shipped_heads_draft_for_the_default_model_and_change_no_token(kind)
     assert [o.token_ids for o in spec.chat(conversations, params)] == plain
     stats = spec.engine.verifier.stats
     assert stats.acceptance_per_position[0] > 0.1, stats
+
+
+@pytest.mark.skipif(
+    not batch_invariant_by_default(torch.bfloat16),
+    reason="bf16 is batch-invariant by default only with AVX-512 or AVX2 (scalar kernels without)",
+)
+def test_bf16_speculation_keeps_every_output_of_mixed_requests():
+    """One batch of requests that ask for everything at once (logprobs, raw logits, prompt
+    logprobs, seeded sampling with top-k/p, penalties, logit bias, stop strings, JSON schema,
+    choice, regex), on long and short prompts, through chunked prefill, a prefix-cache hit and
+    preemption: with `quantized_self` (prompt lookup first) every token, text, finish reason,
+    logprob and logit equals plain decoding's, bit for bit."""
+    from specdec import SpecConfig
+    from specdec.eval.questions import by_category, read_questions
+
+    groups = by_category(read_questions(), 1)
+    long = [groups[c][0].turns[0] for c in ("summarization", "code_editing", "rag")]
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    requests = [
+        (long[0], SamplingParams(max_tokens=40, temperature=0, logprobs=3)),
+        (long[1], SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=7, logprobs=1)),
+        (
+            long[2],
+            SamplingParams(max_tokens=40, temperature=0, return_logits=True, frequency_penalty=0.5),
+        ),
+        (
+            long[0],
+            SamplingParams(
+                max_tokens=30,
+                temperature=1.0,
+                top_k=20,
+                seed=11,
+                stop=["\n\n"],
+                presence_penalty=0.4,
+                logit_bias={13: 2.0},
+            ),
+        ),
+        (
+            "Name a famous painter, as JSON.",
+            SamplingParams(max_tokens=30, seed=5, json_schema=schema),
+        ),
+        (
+            "Say hello in French.",
+            SamplingParams(max_tokens=20, seed=3, choice=["Bonjour", "Salut"]),
+        ),
+        (
+            "Write a short poem about rain.",
+            SamplingParams(
+                max_tokens=40,
+                temperature=0,
+                prompt_logprobs=2,
+                min_tokens=10,
+                repetition_penalty=1.2,
+            ),
+        ),
+        ("Give a phone number.", SamplingParams(max_tokens=20, seed=9, regex=r"[0-9]{3}-[0-9]{4}")),
+    ]
+    options = {"dtype": "bfloat16", "num_kv_blocks": 110, "max_num_batched_tokens": 200}
+
+    def run(llm: LLM) -> list:
+        prompts = [llm.apply_chat_template([{"role": "user", "content": t}]) for t, _ in requests]
+        outputs = llm.generate(prompts, [p for _, p in requests])
+        assert sum(o.metrics.num_preemptions for o in outputs) > 0  # the pool is too small
+        assert sum(o.metrics.num_cached_tokens for o in outputs) > 0  # long[0] twice
+        return [
+            (o.token_ids, o.text, o.finish_reason, repr(o.logprobs), repr(o.prompt_logprobs),
+             None if o.logits is None else o.logits.view(torch.int16).tolist())
+            for o in outputs
+        ]  # fmt: skip
+
+    plain = run(LLM(**options))
+    spec = LLM(**options, speculative=SpecConfig("quantized_self", lookup_first=2))
+    assert run(spec) == plain
+    assert spec.engine.verifier.stats.num_accepted_tokens > 0
