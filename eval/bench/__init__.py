@@ -39,7 +39,13 @@ import torch
 from tqdm import tqdm
 
 from specdec.eval.bench import report
-from specdec.eval.bench.load import arrival_times, break_even, run_in_process, run_over_http
+from specdec.eval.bench.load import (
+    arrival_times,
+    break_even,
+    paying_summary,
+    run_in_process,
+    run_over_http,
+)
 from specdec.eval.bench.offline import run_offline
 from specdec.eval.bench.recommend import recommend
 from specdec.eval.bench.systems import (
@@ -297,6 +303,7 @@ def _load_mode(
     bar.close()
     load["curves"] = curves
     load["break_even"] = {s.name: break_even(curves, s.name, PLAIN) for s in systems if s.drafter}
+    load["paying"] = {s.name: paying_summary(curves, s.name, PLAIN) for s in systems if s.drafter}
     return load
 
 

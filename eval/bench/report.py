@@ -119,7 +119,9 @@ def load_markdown(load: dict[str, Any]) -> str:
                 f"{triple['latency']} |"
             )
     for name, stop in load.get("break_even", {}).items():
-        where = f"stops paying at {stop:.2f} req/s" if stop is not None else "pays at every rate"
+        where = load.get("paying", {}).get(name) or (  # results saved before "paying" existed
+            f"stops paying at {stop:.2f} req/s" if stop is not None else "pays at the top rate"
+        )
         lines.append(f"\n{name}: {where} (median latency against the engine without it).")
     for note in load.get("notes", []):
         lines.append(f"\n{note}")

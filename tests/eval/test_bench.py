@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from specdec.cli import main
 from specdec.eval.bench import BenchConfig, run_bench
-from specdec.eval.bench.load import arrival_times, break_even, run_in_process
+from specdec.eval.bench.load import arrival_times, break_even, paying_summary, run_in_process
 from specdec.eval.bench.offline import run_offline
 from specdec.eval.bench.quant import bytes_bound
 from specdec.eval.bench.recommend import recommend
@@ -130,6 +130,7 @@ def test_a_tiny_model_run_writes_the_json_markdown_and_plots(tmp_path):
             assert 0 < p["ttft_p50_ms"] <= p["ttft_p90_ms"] <= p["ttft_p99_ms"]
             assert p["latency_p50_ms"] <= p["latency_p99_ms"]
     assert "prompt_lookup" in load["break_even"]
+    assert load["paying"]["prompt_lookup"].startswith(("pays at", "stops paying at"))
     assert saved["kernels"]["torch_ms"] > 0
     if cpu_ops.enabled():  # the CPU attention kernels beside the torch path
         rows = saved["attention"]["rows"]
@@ -173,6 +174,31 @@ def test_break_even_is_the_rate_from_which_on_the_drafter_is_no_faster():
     curve["pl"][0]["latency_p50_ms"] = 100  # no better anywhere
     curve["pl"][2]["latency_p50_ms"] = 200
     assert break_even(curve, "pl", "specdec") == 1
+
+
+def test_the_report_says_at_which_rates_a_drafter_pays():
+    rates = (1, 2, 4)
+
+    def curve(base: tuple[int, ...], mine: tuple[int, ...]) -> dict:
+        return {
+            "specdec": [{"rate": r, "latency_p50_ms": m} for r, m in zip(rates, base)],
+            "pl": [{"rate": r, "latency_p50_ms": m} for r, m in zip(rates, mine)],
+        }
+
+    base = (100, 120, 200)
+    assert paying_summary(curve(base, (90, 110, 190)), "pl", "specdec") == (
+        "pays at every rate measured"
+    )
+    assert paying_summary(curve(base, (100, 130, 210)), "pl", "specdec") == (
+        "pays at no rate measured"
+    )
+    assert paying_summary(curve(base, (70, 125, 210)), "pl", "specdec") == (
+        "stops paying at 2.00 req/s"
+    )
+    # slower at the lowest rate, faster above it (a quick run's noise): not "every rate"
+    assert paying_summary(curve(base, (110, 110, 190)), "pl", "specdec") == (
+        "pays at 2.00, 4.00 req/s, not at 1.00"
+    )
 
 
 def synthetic(speedups: dict[str, float], mismatched: tuple[str, ...] = ()) -> dict:
