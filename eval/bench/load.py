@@ -117,23 +117,16 @@ def break_even(
     return stop
 
 
-def paying_rates(
-    curve: dict[str, list[dict[str, float]]], drafter: str, baseline: str
-) -> list[float]:
-    """The measured rates at which ``drafter``'s median latency beats ``baseline``'s."""
-    return [
-        mine["rate"]
-        for mine, theirs in zip(curve[drafter], curve[baseline])
-        if mine["latency_p50_ms"] < theirs["latency_p50_ms"]
-    ]
-
-
 def paying_summary(curve: dict[str, list[dict[str, float]]], drafter: str, baseline: str) -> str:
     """Where ``drafter`` pays under load, in words: at every rate, at none, below the rate from
     which on it stops paying, or at which rates it does and does not (a quick run's few requests
     can give a drafter a slow point at a low rate and a fast one above it)."""
     rates = [point["rate"] for point in curve[drafter]]
-    pays = paying_rates(curve, drafter, baseline)
+    pays = [
+        mine["rate"]
+        for mine, theirs in zip(curve[drafter], curve[baseline])
+        if mine["latency_p50_ms"] < theirs["latency_p50_ms"]
+    ]
     if len(pays) == len(rates):
         return "pays at every rate measured"
     if not pays:
@@ -142,5 +135,8 @@ def paying_summary(curve: dict[str, list[dict[str, float]]], drafter: str, basel
     if stop is not None and pays == [r for r in rates if r < stop]:
         return f"stops paying at {stop:.2f} req/s"
     others = [r for r in rates if r not in pays]
-    listed = ", ".join(f"{r:.2f}" for r in pays)
-    return f"pays at {listed} req/s, not at {', '.join(f'{r:.2f}' for r in others)}"
+    return f"pays at {_listed(pays)} req/s, not at {_listed(others)}"
+
+
+def _listed(rates: list[float]) -> str:
+    return ", ".join(f"{r:.2f}" for r in rates)

@@ -118,10 +118,7 @@ def load_markdown(load: dict[str, Any]) -> str:
                 f"{p['output_tokens_per_s']:.1f} | {triple['ttft']} | {triple['itl']} | "
                 f"{triple['latency']} |"
             )
-    for name, stop in load.get("break_even", {}).items():
-        where = load.get("paying", {}).get(name) or (  # results saved before "paying" existed
-            f"stops paying at {stop:.2f} req/s" if stop is not None else "pays at the top rate"
-        )
+    for name, where in load.get("paying", {}).items():
         lines.append(f"\n{name}: {where} (median latency against the engine without it).")
     for note in load.get("notes", []):
         lines.append(f"\n{note}")

@@ -131,6 +131,10 @@ def test_a_tiny_model_run_writes_the_json_markdown_and_plots(tmp_path):
             assert p["latency_p50_ms"] <= p["latency_p99_ms"]
     assert "prompt_lookup" in load["break_even"]
     assert load["paying"]["prompt_lookup"].startswith(("pays at", "stops paying at"))
+    assert (
+        f"prompt_lookup: {load['paying']['prompt_lookup']} (median"
+        in (out / "bench.md").read_text()
+    )
     assert saved["kernels"]["torch_ms"] > 0
     if cpu_ops.enabled():  # the CPU attention kernels beside the torch path
         rows = saved["attention"]["rows"]
