@@ -910,9 +910,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place; weight * RMSNorm(residual)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up for rows [gate | up]");
   m.def("rope_", &rope_, "rotate the first `heads` heads of each row in place");
-  m.def("linear", &linear, "x @ weight.T + bias for float32 rows");
   m.def("pack_pairs", &pack_pairs, "a bf16 [out, in] weight in the pair layout of linear_pairs (1-D)");
   m.def("linear_pairs", &linear_pairs, "x @ weight.T + bias for bf16 rows, weight packed");
+  m.def("pack_lanes", &pack_lanes, "a float32 [out, in] weight in the lane layout of linear_lanes (1-D)");
+  m.def("linear_lanes", &linear_lanes, "x @ weight.T + bias for float32 rows, weight packed");
   m.def("quant_linear", &quant_linear, "x @ dequant(w).T + bias, w int4/int8 in groups of 32, x float or int8");
   m.def("write_kv_", &write_kv_, "store each token's k and v rows at its cache slot");
   m.def("cached_attention", &cached_attention, "a padded group's attention to cached keys");

@@ -10,7 +10,8 @@ the product with ``up``, RoPE on q and k in place, the K/V write into the paged 
 attends decode and verification queries to keys read by slot from the cache, with no gathered
 copy (scores, softmax and sums in float32; bf16 products on ``vdpbf16ps``, or on AMX tiles in
 ``cpu_attention.cpp`` where the CPU has them). Together they made single-stream float32 decode
-about 1.2x faster. Its float32 matrix-vector product serves few-row linears
+about 1.2x faster. ``cpu_linear.cpp`` (bfloat16, packed in input pairs) and ``cpu_lanes.cpp``
+(float32, packed in lanes of 16 features) run the model's linears
 (:class:`specdec.models.linear.RowLinear`). ``cpu_sampling.cpp`` draws the sampler's noise
 (:func:`exponential_noise`).
 
@@ -48,6 +49,7 @@ SOURCES = [
         "cpu_ops.cpp",
         "cpu_attention.cpp",
         "cpu_linear.cpp",
+        "cpu_lanes.cpp",
         "cpu_quant.cpp",
         "cpu_sampling.cpp",
         "cpu_stack.cpp",

@@ -376,10 +376,12 @@ bool cached_attention_amx(const at::BFloat16* q, int64_t q_row_stride, const at:
                           at::BFloat16* out, int64_t groups, int64_t width, int64_t context,
                           int64_t kv_heads, int64_t share, int64_t head_dim, float scale);
 // cpu_linear.cpp
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
-                     const c10::optional<torch::Tensor>& bias);
 torch::Tensor pack_pairs(const torch::Tensor& weight);
 torch::Tensor linear_pairs(const torch::Tensor& x, const torch::Tensor& packed,
+                           const c10::optional<torch::Tensor>& bias, int64_t out);
+// cpu_lanes.cpp
+torch::Tensor pack_lanes(const torch::Tensor& weight);
+torch::Tensor linear_lanes(const torch::Tensor& x, const torch::Tensor& packed,
                            const c10::optional<torch::Tensor>& bias, int64_t out);
 // cpu_quant.cpp
 torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& codes,

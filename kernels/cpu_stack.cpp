@@ -7,8 +7,7 @@
 // kernels, with the same arguments as models/llama.py's DecoderLayer.forward does for a step of
 // decodes and verifications (one group of queries, padded or not: see specdec/attention.py), so
 // every row gets the bits the Python path gives it; the tests compare the two bit for bit.
-// Prompt chunks, which the Python path splits into groups and sends through SDPA, and steps of
-// more rows than the float32 row kernel takes, stay in Python.
+// Prompt chunks, which the Python path splits into groups and sends through SDPA, stay in Python.
 
 #include <pybind11/stl.h>
 #include <torch/extension.h>
@@ -26,9 +25,9 @@ using OptionalTensor = c10::optional<torch::Tensor>;
 
 // A linear layer as one of the three kernels takes it (models/fused.py reads it off the module).
 struct StackLinear {
-  enum Kind : int64_t { kFloatRows = 0, kPairs = 1, kQuant = 2 };
+  enum Kind : int64_t { kLanes = 0, kPairs = 1, kQuant = 2 };
   int64_t kind;
-  torch::Tensor weight;  // the float32 [out, in] matrix, the packed pairs, or the codes
+  torch::Tensor weight;  // the float32 weight packed in lanes, the bf16 packed in pairs, or the codes
   OptionalTensor scales, extra, bias;
   int64_t bits, out;
   bool int8_activations;
@@ -38,13 +37,13 @@ struct StackLinear {
       : kind(kind), weight(std::move(weight)), scales(std::move(scales)),
         extra(std::move(extra)), bias(std::move(bias)), bits(bits), out(out),
         int8_activations(int8_activations) {
-    TORCH_CHECK(kind >= kFloatRows && kind <= kQuant, "unknown linear kind ", kind);
+    TORCH_CHECK(kind >= kLanes && kind <= kQuant, "unknown linear kind ", kind);
     TORCH_CHECK(kind != kQuant || this->scales.has_value(), "a quantized linear needs scales");
   }
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     switch (kind) {
-      case kFloatRows: return ::linear(x, weight, bias);
+      case kLanes: return ::linear_lanes(x, weight, bias, out);
       case kPairs: return ::linear_pairs(x, weight, bias, out);
       default: return ::quant_linear(x, weight, *scales, extra, bias, bits, out, int8_activations);
     }

@@ -36,7 +36,8 @@ def model_options(fn: Any) -> Any:
         "--batch-invariant/--no-batch-invariant",
         default=None,
         help="Kernels whose results do not depend on the batch, so that speculation gives "
-        "exactly plain decoding's tokens (default: on for bfloat16; needs bfloat16).",
+        "exactly plain decoding's tokens and logprobs (default: on where the CPU kernels "
+        "are vector code, AVX-512 or AVX2).",
     )(fn)
     fn = click.option(
         "--dtype", default="float32", type=click.Choice(["float32", "bfloat16"]), show_default=True

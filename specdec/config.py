@@ -241,8 +241,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024  # token budget of one step (prefill chunks + decodes)
     max_model_len: int | None = None  # longest prompt + output; None takes the model's limit
     enable_prefix_caching: bool = True  # reuse full KV blocks across requests by content hash
-    # Every row's result independent of the rest of the step (exact speculation in bfloat16);
-    # None: on for bfloat16 where its kernels have vector code (AVX-512, or AVX2 and FMA).
+    # Every row's result independent of the rest of the step (bit-exact speculation, logprobs
+    # included); None: on where the CPU kernels have vector code (AVX-512, or AVX2 and FMA).
     batch_invariant: bool | None = None
     device: str = "auto"  # "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N"
     # CUDA: the share of the device's memory the engine may hold (weights, activations and the

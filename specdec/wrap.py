@@ -18,9 +18,10 @@ The engine runs on the model's own weights. ``wrap`` first makes each layer's q/
 gate/up weights row blocks of one fused matrix (:func:`fuse_projections`: the transformers
 modules keep their parameters, now views into it), which the native model then uses as its
 fused projection; embeddings, output head, norms, o and down projections are the very tensors
-transformers holds, and no huge-page copy is made. A float32 model is thus not copied at all. A
-bfloat16 model's linears are packed once for the CPU's bf16 kernels (a copy of each linear's
-matrix; the embedding and norms stay shared).
+transformers holds, and no huge-page copy is made. Where the CPU kernels are built, the linears
+are then packed once for them (a copy of each linear's matrix: float32 in lanes, bfloat16 in
+pairs; see :mod:`specdec.models.linear`), while the embedding and norms stay shared. Without the
+kernels a float32 model is not copied at all.
 
 Sampling follows ``generate``'s generation config (the model's own, updated by the call's
 keyword arguments, as transformers does): ``do_sample``, ``temperature``, ``top_k`` (50 unless

@@ -1,4 +1,4 @@
-"""Batch invariance in bfloat16: a query row's bits do not depend on what else a step holds.
+"""Batch invariance: a query row's bits do not depend on what else a step holds.
 
 Speculative decoding is exact only if the target's logits at a position are the same whether
 the position is decoded alone, verified among drafts, batched with other sequences or computed
@@ -14,6 +14,7 @@ from torch import nn
 from specdec import LLM
 from specdec.attention import AttentionMetadata, paged_attention
 from specdec.kernels import cpu_ops
+from specdec.models import linear as linear_module
 from specdec.models.linear import INVARIANT_TILE_ROWS, PackedLinear, can_prepack
 from specdec.models.llama import LlamaForCausalLM
 from specdec.runner import ModelRunner, QueryChunk
@@ -105,11 +106,25 @@ def test_model_logits_do_not_depend_on_how_positions_are_batched(
     kernels: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     torch_only(monkeypatch, kernels)
+    _check_model_logits(torch.bfloat16, None)
+
+
+@pytest.mark.skipif(not cpu_ops.enabled(), reason="no fused CPU kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_model_logits_on_the_cpu_kernels_do_not_depend_on_how_positions_are_batched(
+    dtype: torch.dtype,
+) -> None:
+    """On the C++ kernels, float32 (linears packed in lanes) as well as bfloat16."""
+    _check_model_logits(dtype, True)
+
+
+def _check_model_logits(dtype: torch.dtype, batch_invariant: bool | None) -> None:
+    torch.manual_seed(0)
     hf = tiny_model("qwen2")
-    state = {k: v.to(torch.bfloat16) for k, v in hf.state_dict().items()}
-    model = LlamaForCausalLM.from_hf(hf.config, state, 256)
+    state = {k: v.to(dtype) for k, v in hf.state_dict().items()}
+    model = LlamaForCausalLM.from_hf(hf.config, state, 256, batch_invariant=batch_invariant)
     assert model.batch_invariant
-    runner = ModelRunner(model, 64, BLOCK, torch.bfloat16)
+    runner = ModelRunner(model, 64, BLOCK, dtype)
     prompt = torch.randint(0, 256, (70,)).tolist()
     other = torch.randint(0, 256, (30,)).tolist()
     table, other_table = list(range(18)), list(range(20, 28))
@@ -128,6 +143,8 @@ def test_model_logits_do_not_depend_on_how_positions_are_batched(
     assert torch.equal(beside[1:], one_by_one[61:])  # a verification beside a decode
 
 
-def test_batch_invariance_needs_bfloat16() -> None:
-    with pytest.raises(ValueError, match="batch-invariant kernels need bfloat16"):
+def test_batch_invariance_needs_the_cpu_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_ops, "enabled", lambda: False)
+    monkeypatch.setattr(linear_module, "can_prepack", lambda dtype: False)
+    with pytest.raises(ValueError, match="batch-invariant kernels need the CPU kernels"):
         LLM(tiny_model("llama"), tokenizer=byte_tokenizer(), batch_invariant=True)

@@ -95,7 +95,9 @@ def test_triton_paged_attention_in_the_engine(make_llm, monkeypatch) -> None:
 
     monkeypatch.setattr(specdec.attention, "paged_attention_triton", counted)
     monkeypatch.setenv(ATTENTION_BACKEND_ENV, "triton")
-    llm = make_llm(speculative=FIXED_K, block_size=4, max_num_batched_tokens=24)
+    llm = make_llm(  # invariant mode attends on the C++ kernel, never Triton
+        speculative=FIXED_K, block_size=4, max_num_batched_tokens=24, batch_invariant=False
+    )
     prompts = [*PROMPTS, PROMPTS[1]]  # the repeat hits the prefix cache
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     outputs = llm.generate(prompts, greedy)

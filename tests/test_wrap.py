@@ -13,7 +13,9 @@ from transformers import GPT2Config, GPT2LMHeadModel, TextIteratorStreamer, Text
 
 import specdec
 from specdec import LLM, SamplingParams
+from specdec.kernels import cpu_ops
 from specdec.loader import UnsupportedModelError
+from specdec.models.linear import RowLinear
 from tests.tiny import byte_tokenizer, tiny_model
 
 TEXTS = ["hello world", "the quick brown fox jumps over", "a", "speculative decoding is exact"]
@@ -176,19 +178,29 @@ def test_num_return_sequences_expands_rows():
     assert out.shape[0] == 6 and torch.equal(out[:3, : ids.shape[1]], ids[:1].expand(3, -1))
 
 
-def test_weights_are_shared_not_copied():
+@pytest.mark.parametrize("kernels", [True, False], ids=["packed", "plain"])
+def test_weights_are_shared_not_copied(kernels: bool, monkeypatch: pytest.MonkeyPatch):
+    """Embeddings and norms are the model's own tensors; the linears too where no CPU kernel
+    packs them (with the kernels, each is a packed copy)."""
+    if not kernels:
+        monkeypatch.setattr(cpu_ops, "enabled", lambda: False)
     model, tokenizer = model_and_tokenizer("qwen2")  # q/k/v biases too
     before = {name: (p, p.detach().clone()) for name, p in model.named_parameters()}
     fast = specdec.wrap(model, tokenizer)
     for name, p in model.named_parameters():  # the same parameters, with the same values
         assert p is before[name][0] and torch.equal(p, before[name][1]), name
     storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    native = {p.untyped_storage().data_ptr() for p in fast.native.parameters()}
-    assert native <= storages  # every native weight lies in the model's own memory
-    layer, ours = model.model.layers[0], fast.native.layers[0]
-    q, qkv = layer.self_attn.q_proj.weight, ours.self_attn.qkv_proj.weight
-    assert q.data_ptr() == qkv.data_ptr()  # q is the fused matrix's first rows
-    # an in-place change to the model's weights is seen by the engine: one copy of the weights
+    packed = {id(m.packed) for m in fast.native.modules() if isinstance(m, RowLinear)}
+    assert kernels == bool(packed)
+    native = {
+        p.untyped_storage().data_ptr() for p in fast.native.parameters() if id(p) not in packed
+    }
+    assert native <= storages  # every other native weight lies in the model's own memory
+    if not kernels:
+        layer, ours = model.model.layers[0], fast.native.layers[0]
+        q, qkv = layer.self_attn.q_proj.weight, ours.self_attn.qkv_proj.weight
+        assert q.data_ptr() == qkv.data_ptr()  # q is the fused matrix's first rows
+    # an in-place change to the model's embedding is seen by the engine: one copy of it
     ids = torch.tensor([tokenizer.encode("hello")])
     first = fast.generate(ids, max_new_tokens=6)
     with torch.no_grad():
@@ -315,7 +327,8 @@ def test_output_logits_and_scores_match_transformers():
     assert fast.generate(ids, attention_mask=mask, max_new_tokens=4).dim() == 2
 
 
-def test_wrapping_twice_fuses_once():
+def test_wrapping_twice_fuses_once(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(cpu_ops, "enabled", lambda: False)  # native linears on the model's storage
     model, tokenizer = model_and_tokenizer()
     first = specdec.wrap(model, tokenizer)
     second = specdec.wrap(model, tokenizer)

@@ -9,10 +9,9 @@ step of the default model took 5.3 ms on the Python layers and 3.7 ms on the sta
 ``w4a8`` weights), 21.9 and 18.7 ms in float32 (see the README).
 
 A step is eligible when it holds decodes and verifications only (one group of queries of at
-most ``NARROW_QUERY`` each, attended by the C++ kernel), at most ``SMALL_ROWS`` rows (the float32
-row kernel's limit), on a model whose every decoder linear runs one of the three kernels:
-float32 rows, bfloat16 packed in pairs (batch-invariant bf16), or quantized. Anything else
-(prompt chunks, wide batches, oneDNN's packed bf16, CUDA) runs the Python layers as before.
+most ``NARROW_QUERY`` each, attended by the C++ kernel), on a model whose every decoder linear
+runs one of the three kernels: float32 packed in lanes, bfloat16 packed in pairs, or quantized.
+Anything else (prompt chunks, oneDNN's packed bf16, CUDA) runs the Python layers as before.
 ``SPECDEC_FUSED_STACK=0`` turns it off.
 """
 
@@ -25,14 +24,14 @@ import torch
 
 from specdec.attention import NARROW_QUERY, AttentionMetadata
 from specdec.kernels import cpu_ops
-from specdec.models.linear import SMALL_ROWS, RowLinear
+from specdec.models.linear import RowLinear
 from specdec.models.quant import QuantLinear
 
 if TYPE_CHECKING:
     from specdec.models.llama import LlamaForCausalLM, Rope
 
 FUSED_STACK_ENV = "SPECDEC_FUSED_STACK"  # "0": every step runs the Python layers
-FLOAT_ROWS, PAIRS, QUANT = 0, 1, 2  # cpu_stack.cpp's StackLinear kinds
+LANES, PAIRS, QUANT = 0, 1, 2  # cpu_stack.cpp's StackLinear kinds
 
 
 def enabled() -> bool:
@@ -67,7 +66,7 @@ class FusedStack:
 
     def eligible(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether this step is one the stack runs (see the module docstring)."""
-        if meta.fresh_ranges or len(meta.groups) != 1 or x.shape[0] > SMALL_ROWS:
+        if meta.fresh_ranges or len(meta.groups) != 1:
             return False
         if cpu_ops.extension_for(x) is None:  # the layer ops would not take the kernels either
             return False
@@ -122,13 +121,8 @@ def _stack_linear(kernels: Any, module: Any, dtype: torch.dtype) -> Any:
             QUANT, p.codes, p.scales, p.extra, bias, p.bits, p.out_features, p.int8_activations
         )
     if isinstance(module, RowLinear):
-        if module.packed is not None:
-            return kernels.StackLinear(
-                PAIRS, module.packed, None, None, module.bias, 0, module.out_features, False
-            )
-        weight = module.weight
-        if weight is not None and weight.dtype == torch.float32:  # the row kernel, <= SMALL_ROWS
-            return kernels.StackLinear(
-                FLOAT_ROWS, weight, None, None, module.bias, 0, module.out_features, False
-            )
+        kind = LANES if module.layout == "lanes" else PAIRS
+        return kernels.StackLinear(
+            kind, module.packed, None, None, module.bias, 0, module.out_features, False
+        )
     return None

@@ -7,17 +7,23 @@ does when it freezes a CPU graph (``torch.ops.mkldnn._reorder_linear_weight`` an
 ``_linear_pointwise``); :class:`PackedLinear` does that for bfloat16 models that need not be
 batch-invariant.
 
-:class:`RowLinear` runs the C++ kernels of ``kernels/cpu_linear.cpp``, which give each row the
-same bits whatever the row count. Float32 models use them for steps of at most ``SMALL_ROWS``
-rows (decodes, verifications, batches of up to 64 sequences), where they beat MKL (which repacks
-the weights it reads on every call); larger float32 steps (prefill chunks) go to MKL.
+:class:`RowLinear` runs the C++ kernels, which give each row the same bits whatever the row
+count. Float32 weights are packed once with 16 output features to a 64-byte line
+(``kernels/cpu_lanes.cpp``): each output is one chain of fused multiply-adds over its inputs, and
+every row count runs the kernel, decodes, verifications and prompt chunks alike. Side by side on
+2 AVX2 cores (the default model's 120 decoder linears, one process, interleaved), against the
+row kernel that held the weights as ``[out, in]`` and added 16 lanes across at the end: 1 row
+1.06x, 3 rows 1.37x, 9 rows 1.56-1.63x, 33 rows 1.45-1.80x, 64 rows 1.53x; against MKL, which
+float32 steps of more than 64 rows used to take, 1.13-1.39x at 128 rows and 0.97-1.03x at
+256-512. So float32 linears are batch-invariant at no cost, with one copy of the weights.
 Batch-invariant bfloat16 models (see :mod:`specdec.attention`) pack every weight once in input
-pairs and run every row count on the kernel: AMX tiles where the CPU has them, else
-``vdpbf16ps``, else (AVX2) two float32 fused multiply-adds per input pair. oneDNN's bf16 GEMM
-keeps a row's bits across row counts on some CPUs (up to 32 rows with AMX) but not on others (AVX512-BF16 without AMX: a down projection's rows change from 4 rows
-per call on), so exactness cannot rest on it. Without the C++ kernels, invariant bf16 linears
-fall back to packed oneDNN calls of at most ``INVARIANT_TILE_ROWS`` rows, which holds on AMX CPUs
-only.
+pairs (``kernels/cpu_linear.cpp``) and run every row count on the kernel: AMX tiles where the CPU
+has them, else ``vdpbf16ps``, else (AVX2) two float32 fused multiply-adds per input pair.
+oneDNN's bf16 GEMM keeps a row's bits across row counts on some CPUs (up to 32 rows with AMX)
+but not on others (AVX512-BF16 without AMX: a down projection's rows change from 4 rows per
+call on), so exactness cannot rest on it. Without the C++ kernels, invariant bf16 linears fall
+back to packed oneDNN calls of at most ``INVARIANT_TILE_ROWS`` rows, which holds on AMX CPUs
+only, and float32 linears to ``F.linear``.
 """
 
 from __future__ import annotations
@@ -25,13 +31,11 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specdec.kernels import cpu_ops
 
 INVARIANT_TILE_ROWS = 32  # most rows per bf16 oneDNN call for which every row's bits are fixed
-SMALL_ROWS = 64  # most rows a float32 RowLinear hands to the fused kernel; MKL is faster above
 
 
 def can_prepack(dtype: torch.dtype) -> bool:
@@ -48,27 +52,32 @@ def can_prepack(dtype: torch.dtype) -> bool:
 
 
 def can_batch_invariant(dtype: torch.dtype) -> bool:
-    """Whether ``dtype`` linears and attention can run batch-invariant here: bf16 on the C++
-    row kernels (any x86-64 CPU they build for), or on oneDNN's packed weights."""
+    """Whether ``dtype`` linears and attention can run batch-invariant here: float32 and bf16 on
+    the C++ kernels (any x86-64 CPU they build for), or bf16 on oneDNN's packed weights."""
+    if dtype == torch.float32:
+        return cpu_ops.enabled()
     return dtype == torch.bfloat16 and (cpu_ops.enabled() or can_prepack(dtype))
 
 
 def batch_invariant_by_default(dtype: torch.dtype) -> bool:
-    """Whether ``batch_invariant=None`` turns invariance on: where the bf16 kernels run at vector
-    speed, on a CPU with AVX-512 or with AVX2 and FMA. Without them the bf16 row kernels are
-    scalar loops (a prefill of the default model took minutes), so invariance is there only when
-    asked for; float32 (MKL and the float32 row kernels) is the faster choice on such CPUs.
+    """Whether ``batch_invariant=None`` turns invariance on: where the kernels run at vector
+    speed, on a CPU with AVX-512 or with AVX2 and FMA. Without them the row kernels are scalar
+    loops (a bf16 prefill of the default model took minutes), so invariance is there only when
+    asked for, and float32 runs on MKL.
 
     On an AVX2 CPU (2 cores, default model, one process), invariant bf16 against oneDNN-less
     ``F.linear`` (what bf16 ran on there before): a decode step 20.9 -> 14.2 ms, a 9-token
     verification 140 -> 29 ms, a 512-token prompt 6.2 -> 1.8 s (float32: 25.3 ms, 48 ms,
-    1.05 s)."""
+    1.05 s). Float32 costs nothing to make invariant once its linears are packed in lanes:
+    against the same engine with ``batch_invariant=False`` (attention to prompt chunks then
+    through torch's SDPA), prompts of 9-512 tokens ran 1.03-1.20x, of 1,500 tokens 0.95x, and 4
+    long summarization and retrieval prompts with 64 new tokens each 1.00x."""
     return can_batch_invariant(dtype) and vector_pair_kernels()
 
 
 def vector_pair_kernels() -> bool:
-    """Whether the bf16 pair kernel (``linear_pairs``) is built with vector code here: AVX-512,
-    or AVX2 with FMA (``kernels/cpu_linear.cpp``); otherwise it is a scalar loop."""
+    """Whether the row kernels (``linear_pairs``, ``linear_lanes``) are built with vector code
+    here: AVX-512, or AVX2 with FMA; otherwise they are scalar loops."""
     flags = set(cpu_ops.cpu_flags().split())
     return cpu_ops.enabled() and ("avx512f" in flags or {"avx2", "fma"} <= flags)
 
@@ -125,10 +134,10 @@ def prepack_linears(model: nn.Module, invariant: bool = False) -> int:
 
 def fast_linears(module: nn.Module) -> nn.Module:
     """Run ``module``'s CPU linears on the target's kernels, for a drafter's few-row steps (its
-    drafts change speed, never output): float32 few-row steps on the row kernel; bfloat16 packed
-    in pairs for the row kernel where that runs at vector speed (AVX-512, or AVX2 with FMA),
-    else on oneDNN-packed weights. At a drafter's shapes either row kernel took about half the
-    time of the alternative for one row (``F.linear`` in float32, oneDNN in bfloat16), and oneDNN won in
+    drafts change speed, never output): float32 on the lane kernel; bfloat16 packed in pairs for
+    the row kernel where that runs at vector speed (AVX-512, or AVX2 with FMA), else on
+    oneDNN-packed weights. At a drafter's shapes the row kernels took about half the time of the
+    alternative for one row (``F.linear`` in float32, oneDNN in bfloat16), and oneDNN won in
     bfloat16 only from about 32 rows on, a head's catch-up on a prompt. Leaves a module on
     another device as it is; returns it."""
     if all(p.device.type == "cpu" for p in module.parameters()):
@@ -138,73 +147,68 @@ def fast_linears(module: nn.Module) -> nn.Module:
 
 
 class RowLinear(nn.Module):
-    """An ``nn.Linear`` whose steps of at most ``max_rows`` rows (``None``: any number) run the
-    row-invariant C++ kernel; larger steps, or a machine without the kernels, run ``F.linear``.
+    """An ``nn.Linear`` whose weight is packed once for the row-invariant C++ kernels, which then
+    run every row count: float32 in the lane layout (``pack_lanes``, ``linear_lanes``), bfloat16
+    in the pair layout (``pack_pairs``: what AMX tiles and ``vdpbf16ps`` read). The plain matrix
+    is let go, so that the model does not hold two copies; a tied output layer gets a packed copy
+    of the embedding matrix (the embedding keeps its rows for lookups)."""
 
-    ``packed``: a bfloat16 weight is packed once into the kernel's pair layout (``pack_pairs``:
-    the layout AMX tiles and ``vdpbf16ps`` read) and the plain matrix is let go, so that the
-    model does not hold two copies; every row count then runs the kernel.
-    """
-
-    def __init__(self, linear: nn.Linear, max_rows: int | None = SMALL_ROWS, packed: bool = False):
+    def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
-        self.max_rows = None if packed else max_rows
-        self.weight: nn.Parameter | None = None
-        self.packed: nn.Parameter | None = None
-        kernels = cpu_ops.extension() if packed else None
-        if kernels is not None and linear.weight.dtype == torch.bfloat16:
-            pairs = kernels.pack_pairs(linear.weight.detach().contiguous())
-            self.packed = nn.Parameter(pairs, requires_grad=False)
+        kernels = cpu_ops.extension()
+        if kernels is None:
+            raise RuntimeError("RowLinear needs the C++ kernels (see specdec.kernels.cpu_ops)")
+        weight = linear.weight.detach().contiguous()
+        if weight.dtype == torch.float32:
+            self.layout, packed = "lanes", kernels.pack_lanes(weight)
+        elif weight.dtype == torch.bfloat16:
+            self.layout, packed = "pairs", kernels.pack_pairs(weight)
         else:
-            assert isinstance(linear.weight, nn.Parameter)
-            self.weight = linear.weight  # the same parameter: a tied embedding stays tied
+            raise ValueError(f"RowLinear takes float32 or bfloat16 weights, not {weight.dtype}")
+        self.packed = nn.Parameter(packed, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, in] -> [N, out]
-        if self.packed is not None:
-            kernels = cpu_ops.extension()
-            assert kernels is not None  # it packed the weight
-            return kernels.linear_pairs(x.contiguous(), self.packed, self.bias, self.out_features)
-        assert self.weight is not None
-        few = self.max_rows is None or x.shape[0] <= self.max_rows
-        kernels = cpu_ops.extension_for(x) if few else None
-        if kernels is not None and x.dtype == torch.float32 == self.weight.dtype:
-            return kernels.linear(x.contiguous(), self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        kernels = cpu_ops.extension()
+        assert kernels is not None  # it packed the weight
+        if self.layout == "lanes":
+            return kernels.linear_lanes(x.contiguous(), self.packed, self.bias, self.out_features)
+        return kernels.linear_pairs(x.contiguous(), self.packed, self.bias, self.out_features)
 
     def extra_repr(self) -> str:
-        rows = "any" if self.max_rows is None else f"<= {self.max_rows}"
-        layout = ", packed in pairs" if self.packed is not None else ""
         return (
-            f"in_features={self.in_features}, out_features={self.out_features}, rows {rows}{layout}"
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"packed in {self.layout}"
         )
 
 
 def use_row_kernels(model: nn.Module, invariant: bool = False) -> int:
-    """Replace linears by :class:`RowLinear`s; return how many.
+    """Replace linears by :class:`RowLinear`s where the C++ kernels are built; return how many.
 
-    Float32 linears take the kernel for few rows. With ``invariant`` and the C++ kernels built,
-    bfloat16 linears are packed in pairs and take it for every row count, so that no row
-    depends on the batch. So they do without ``invariant`` where oneDNN packs no bf16 weights
-    but the pair kernel is vector code (AVX2 CPUs): ``F.linear``, the alternative there, was
-    slower at every row count (on 2 AVX2 cores, default model: a 9-token verification 140
-    against 29 ms, a 512-token prompt 6.2 against 1.8 s).
+    Float32 linears where the lane kernel is vector code (AVX-512, or AVX2 with FMA: it was at
+    least as fast as MKL at every row count, see the module docstring) or with ``invariant``.
+    Bfloat16 linears with ``invariant``, so that no row depends on
+    the batch, and without it where oneDNN packs no bf16 weights but the pair kernel is vector
+    code (AVX2 CPUs): ``F.linear``, the alternative there, was slower at every row count (on 2
+    AVX2 cores, default model: a 9-token verification 140 against 29 ms, a 512-token prompt 6.2
+    against 1.8 s).
     """
-    packed = cpu_ops.enabled() and (
-        invariant or (vector_pair_kernels() and not can_prepack(torch.bfloat16))
-    )
+    if not cpu_ops.enabled():
+        return 0
+    lanes = invariant or vector_pair_kernels()  # else F.linear: MKL beats a scalar loop
+    pairs = invariant or (vector_pair_kernels() and not can_prepack(torch.bfloat16))
     swaps = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
         if isinstance(child, nn.Linear)
+        and child.weight.device.type == "cpu"
         and (
-            child.weight.dtype == torch.float32 or (packed and child.weight.dtype == torch.bfloat16)
+            (lanes and child.weight.dtype == torch.float32)
+            or (pairs and child.weight.dtype == torch.bfloat16)
         )
     ]
     for parent, name, child in swaps:
-        setattr(
-            parent, name, RowLinear(child, packed=packed and child.weight.dtype == torch.bfloat16)
-        )
+        setattr(parent, name, RowLinear(child))
     return len(swaps)

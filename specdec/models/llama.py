@@ -250,10 +250,9 @@ class LlamaForCausalLM(nn.Module):
 
         ``batch_invariant``: every row's result independent of what else a step holds (see
         :mod:`specdec.attention`), so that speculative decoding gives exactly the tokens of plain
-        decoding. ``None`` turns it on where it runs at vector speed, bfloat16 weights on a CPU with
-        AVX-512 or AVX2 (see :func:`~specdec.models.linear.batch_invariant_by_default`); float32
-        keeps MKL's faster kernels, whose rounding differs between row counts by far less than
-        float32's gaps between logits (``True`` with float32 is an error).
+        decoding. ``None`` turns it on where the CPU kernels run at vector speed, on a CPU with
+        AVX-512 or AVX2 (see :func:`~specdec.models.linear.batch_invariant_by_default`), in
+        float32 and bfloat16 alike.
 
         ``quantization`` (``"int8"``, ``"int4"``, ``"w8a8"``, ``"w4a8"`` or ``None``): quantized
         linears (see :mod:`specdec.models.quant`), ``prequantized`` the weights that arrived quantized (a GGUF
@@ -285,13 +284,13 @@ class LlamaForCausalLM(nn.Module):
         supported = can_batch_invariant(model.embed_tokens.weight.dtype)
         if batch_invariant and not supported:
             raise ValueError(
-                "batch-invariant kernels need bfloat16 weights and the CPU kernels (or oneDNN); "
-                "load with dtype='bfloat16' or pass batch_invariant=False"
+                "batch-invariant kernels need the CPU kernels (see specdec.kernels.cpu_ops; "
+                "bfloat16 can use oneDNN's on AMX CPUs); pass batch_invariant=False"
             )
         if batch_invariant is None:
             batch_invariant = batch_invariant_by_default(model.embed_tokens.weight.dtype)
         model.batch_invariant = batch_invariant
-        # float32 few-row steps, and every invariant step, on the C++ row kernel; the other bf16
+        # float32 and invariant bf16 linears on the C++ kernels, packed; the other bf16
         # linears on oneDNN-packed weights (see models/linear.py)
         use_row_kernels(model, invariant=model.batch_invariant)
         prepack_linears(model, invariant=model.batch_invariant)

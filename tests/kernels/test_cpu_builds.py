@@ -29,14 +29,19 @@ def test_the_build_without_avx512_computes_the_same(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(cpu_ops, "extension_for", lambda t: None)
     torch.testing.assert_close(got, run(), rtol=1e-5, atol=1e-5)
     x, w = torch.randn(9, 40), torch.randn(7, 40)
-    rows = torch.cat([portable.linear(x[i : i + 1], w, None) for i in range(9)])
-    assert torch.equal(portable.linear(x, w, None), rows)
+    packed = portable.pack_lanes(w)
+    rows = torch.cat([portable.linear_lanes(x[i : i + 1], packed, None, 7) for i in range(9)])
+    assert torch.equal(portable.linear_lanes(x, packed, None, 7), rows)
     torch.testing.assert_close(rows, x @ w.T, rtol=1e-5, atol=1e-5)
-    # The AVX2 tiles add each sum's lanes in the AVX-512 tiles' tree (in registers, two halves
-    # of 8): the float32 linear's bits are the native build's, every row count and tail.
+    # The float32 linear's bits are the native build's, every row count and partial block
+    # (each output one chain of fused multiply-adds, whatever the vector width).
     for rows_, n_in, n_out in [(1, 576, 960), (5, 40, 7), (9, 1536, 13), (17, 13, 33)]:
         x, w, bias = torch.randn(rows_, n_in), torch.randn(n_out, n_in), torch.randn(n_out)
-        assert torch.equal(portable.linear(x, w, bias), ext().linear(x, w, bias))
+        packed = ext().pack_lanes(w)
+        assert torch.equal(
+            portable.linear_lanes(x, packed, bias, n_out),
+            ext().linear_lanes(x, packed, bias, n_out),
+        )
 
 
 @needs_kernels

@@ -146,10 +146,9 @@ def test_model_logits_match_the_torch_path(arch: str, monkeypatch: pytest.Monkey
     """A tiny model's prefill and decode logits with the kernels and with torch's ops."""
     hf = tiny_model(arch)
     prompt = torch.randint(0, 256, (21,)).tolist()
-    run = tiny_steps(hf, prompt)
-    fused = run()
-    monkeypatch.setattr(cpu_ops, "extension", lambda: None)
-    torch.testing.assert_close(fused, run(), rtol=1e-5, atol=1e-5)
+    fused = tiny_steps(hf, prompt)()
+    monkeypatch.setattr(cpu_ops, "extension", lambda: None)  # a model of plain nn.Linears
+    torch.testing.assert_close(fused, tiny_steps(hf, prompt)(), rtol=1e-5, atol=1e-5)
     expected = hf(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(fused, expected, rtol=1e-4, atol=1e-4)
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from specdec.kernels import cpu_ops
 from specdec.models import hugepages
 from specdec.models.hugepages import HUGE_PAGE, huge_page_buffer, move_to_huge_pages
 from specdec.models.llama import LlamaForCausalLM
@@ -24,7 +25,14 @@ def test_a_buffer_starts_on_a_huge_page_and_is_zeroed() -> None:
 
 
 @needs_huge_pages
-def test_moved_weights_keep_values_ties_and_logits() -> None:
+@pytest.mark.parametrize("kernels", [True, False], ids=["packed", "plain"])
+def test_moved_weights_keep_values_ties_and_logits(
+    kernels: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Packed for the CPU kernels (float32 in lanes), or plain ``nn.Linear``s whose output layer
+    is the embedding's tensor, a tie that must survive the move."""
+    if not kernels:
+        monkeypatch.setattr(cpu_ops, "enabled", lambda: False)
     hf = tiny_model("llama")  # tied embeddings
     model = LlamaForCausalLM.from_hf(hf.config, hf.state_dict(), 64)  # moves nothing: all tiny
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -39,7 +47,8 @@ def test_moved_weights_keep_values_ties_and_logits() -> None:
     assert all(p.data_ptr() % hugepages.ALIGN == 0 for p in params)
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]), name
-    assert model.lm_head.weight is model.embed_tokens.weight  # still one tensor
+    if not kernels:
+        assert model.lm_head.weight is model.embed_tokens.weight  # still one tensor
     with torch.inference_mode():
         assert torch.equal(model.compute_logits(hidden), expected)
 

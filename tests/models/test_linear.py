@@ -1,4 +1,5 @@
-"""specdec.models.linear: bf16 linears on oneDNN-packed weights, float32 ones on row kernels."""
+"""specdec.models.linear: bf16 linears on oneDNN-packed weights or packed pairs, float32 ones
+packed in lanes."""
 
 import os
 
@@ -10,7 +11,6 @@ from torch import nn
 from specdec.kernels import cpu_ops
 from specdec.models import linear as linear_module
 from specdec.models.linear import (
-    SMALL_ROWS,
     PackedLinear,
     RowLinear,
     can_prepack,
@@ -61,28 +61,26 @@ def test_a_bf16_model_is_packed_at_load_and_keeps_its_embedding() -> None:
 
 
 @pytest.mark.skipif(not cpu_ops.enabled(), reason="no fused CPU kernels")
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("features", [(576, 960), (40, 7)])  # 40: no whole 16-lane blocks
-def test_row_linear_rows_do_not_depend_on_the_row_count(
-    bias: bool, features: tuple[int, int]
-) -> None:
-    torch.manual_seed(0)
-    linear = nn.Linear(*features, bias=bias)
-    row_linear = RowLinear(linear)
-    x = torch.randn(SMALL_ROWS + 8, features[0])
+def test_float32_linears_are_packed_in_lanes_and_the_embedding_keeps_its_rows() -> None:
+    hf = tiny_model("qwen2")  # q/k/v biases, tied embeddings
+    state = hf.state_dict()
+    model = LlamaForCausalLM.from_hf(hf.config, state, 64)
+    rows = [m for m in model.modules() if isinstance(m, RowLinear)]
+    assert len(rows) == 4 * hf.config.num_hidden_layers + 1
+    assert all(m.layout == "lanes" and not hasattr(m, "weight") for m in rows)
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    embedding = state["model.embed_tokens.weight"]
+    assert torch.equal(model.embed_tokens.weight, embedding)
+    hidden = torch.randn(3, hf.config.hidden_size)
     with torch.inference_mode():
-        one_by_one = torch.cat([row_linear(x[i : i + 1]) for i in range(SMALL_ROWS)])
-        for rows in (2, 3, 4, 5, 6, 7, 9, 17, 35, SMALL_ROWS):  # every tile size, 1 to 6 rows
-            assert torch.equal(row_linear(x[:rows]), one_by_one[:rows]), rows
-        torch.testing.assert_close(one_by_one, linear(x[:SMALL_ROWS]), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(row_linear(x), linear(x))  # more rows: MKL
+        logits = model.compute_logits(hidden)
+    torch.testing.assert_close(logits, hidden @ embedding.T, rtol=1e-5, atol=1e-5)
 
 
-def test_float32_linears_use_the_row_kernels() -> None:
-    hf = tiny_model("qwen2")  # q/k/v biases
-    model = LlamaForCausalLM.from_hf(hf.config, hf.state_dict(), 64)
-    assert isinstance(model.layers[0].self_attn.qkv_proj, RowLinear)
-    assert model.lm_head.weight is model.embed_tokens.weight  # still tied
+def test_without_the_kernels_float32_linears_stay_plain(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_ops, "enabled", lambda: False)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    assert use_row_kernels(model) == 0 and type(model[0]) is nn.Linear
 
 
 @pytest.mark.skipif(not cpu_ops.enabled(), reason="no fused CPU kernels")
@@ -93,7 +91,7 @@ def test_a_batch_invariant_bf16_model_runs_every_linear_on_packed_pairs() -> Non
     assert model.batch_invariant
     rows = [m for m in model.modules() if isinstance(m, RowLinear)]
     assert len(rows) == 4 * hf.config.num_hidden_layers + 1
-    assert all(m.max_rows is None and m.packed is not None and m.weight is None for m in rows)
+    assert all(m.layout == "pairs" and not hasattr(m, "weight") for m in rows)
     # no plain copy is kept beside the packed one; the embedding keeps its rows for lookups
     assert torch.equal(model.embed_tokens.weight, state["model.embed_tokens.weight"])
     hidden = torch.randn(3, hf.config.hidden_size, dtype=torch.bfloat16)
@@ -119,7 +117,7 @@ def test_bf16_without_invariance_packs_pairs_only_where_onednn_cannot_pack(
     if onednn:
         assert type(model[0]) is nn.Linear
         return
-    assert isinstance(model[0], RowLinear) and model[0].packed is not None
+    assert isinstance(model[0], RowLinear) and model[0].layout == "pairs"
     x = torch.randn(5, 64, dtype=torch.bfloat16)
     with torch.inference_mode():
         got = model[0](x)
@@ -131,18 +129,31 @@ ROW_COUNTS = [*range(2, 19), 31, 32, 33, 64, 255, 256, 257, 300]  # register til
 # AMX tiles of 1-16, chunks of 256
 
 
-def _check_rows(kernels, features: tuple[int, int], bias: bool) -> None:  # noqa: ANN001
+def _check_rows(kernels, features: tuple[int, int], bias: bool, dtype=torch.bfloat16) -> None:  # noqa: ANN001
+    """Every row count gives each row the bits it gets alone, and the rows are close to
+    ``F.linear`` in float64; bfloat16 packed in pairs, float32 in lanes."""
     torch.manual_seed(0)
-    linear = nn.Linear(*features, bias=bias).to(torch.bfloat16)
-    packed = kernels.pack_pairs(linear.weight.detach())
+    linear = nn.Linear(*features, bias=bias).to(dtype)
+    pack, run = (
+        (kernels.pack_pairs, kernels.linear_pairs)
+        if dtype == torch.bfloat16
+        else (kernels.pack_lanes, kernels.linear_lanes)
+    )
+    packed = pack(linear.weight.detach())
     b = None if linear.bias is None else linear.bias.detach()
-    x = torch.randn(300, features[0]).to(torch.bfloat16)
+    x = torch.randn(300, features[0]).to(dtype)
     out = features[1]
-    one_by_one = torch.cat([kernels.linear_pairs(x[i : i + 1], packed, b, out) for i in range(300)])
+    one_by_one = torch.cat([run(x[i : i + 1], packed, b, out) for i in range(300)])
     for rows in ROW_COUNTS:
-        assert torch.equal(kernels.linear_pairs(x[:rows], packed, b, out), one_by_one[:rows]), rows
-    expected = F.linear(x.float(), linear.weight.float(), None if b is None else b.float())
-    torch.testing.assert_close(one_by_one.float(), expected, rtol=1.6e-2, atol=2e-2)
+        assert torch.equal(run(x[:rows], packed, b, out), one_by_one[:rows]), rows
+    assert torch.equal(run(x[7:16], packed, b, out), one_by_one[7:16])  # rows at any offset
+    w64 = linear.weight.double()
+    expected = F.linear(x.double(), w64, None if b is None else b.double())
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(one_by_one.double(), expected, rtol=1.6e-2, atol=2e-2)
+    else:  # a chain of `in` roundings, each at most half an ulp of a partial sum
+        bound = 1e-6 * features[0] * (x.double().abs() @ w64.abs().T + 1)
+        assert ((one_by_one.double() - expected).abs() <= bound).all()
 
 
 FEATURES = [(1536, 576), (576, 960), (40, 7), (41, 70)]  # odd widths: a pair and a step padded
@@ -159,11 +170,28 @@ def test_bf16_packed_rows_do_not_depend_on_the_row_count(
     whose rows oneDNN changes on CPUs without AMX."""
     _check_rows(cpu_ops.extension(), features, bias)
     linear = nn.Linear(*features, bias=bias).to(torch.bfloat16)
-    row_linear = RowLinear(linear, packed=True)
+    row_linear = RowLinear(linear)
     x = torch.randn(5, features[0]).to(torch.bfloat16)
     with torch.inference_mode():
         got = row_linear(x.t().contiguous().t())  # a non-contiguous input is copied first
     torch.testing.assert_close(got.float(), linear(x).float(), rtol=1.6e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not cpu_ops.enabled(), reason="no fused CPU kernels")
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("features", FEATURES)
+def test_float32_lane_rows_do_not_depend_on_the_row_count(
+    bias: bool, features: tuple[int, int]
+) -> None:
+    """Every tile shape (1 row over 4 blocks, 2-3 over 2, tiles of up to 5 rows, of 6 from 12
+    rows on, chunks of 256) gives each row its bits alone; 40 and 41 outputs: a partial block."""
+    _check_rows(cpu_ops.extension(), features, bias, torch.float32)
+    linear = nn.Linear(*features, bias=bias)
+    row_linear = RowLinear(linear)
+    x = torch.randn(5, features[0])
+    with torch.inference_mode():
+        got = row_linear(x.t().contiguous().t())  # a non-contiguous input is copied first
+    torch.testing.assert_close(got, linear(x), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(os.environ.get("SPECDEC_SLOW_TESTS") != "1", reason="SPECDEC_SLOW_TESTS=1")
@@ -208,20 +236,24 @@ def test_bf16_pairs_without_avx512_give_the_scalar_bits() -> None:
 
 
 @pytest.mark.skipif(os.environ.get("SPECDEC_SLOW_TESTS") != "1", reason="SPECDEC_SLOW_TESTS=1")
-@pytest.mark.skipif(
-    not cpu_ops.enabled() or "avx512f" not in cpu_ops.cpu_flags().split(),
-    reason="needs the AVX-512 kernels to compare with",
-)
-def test_row_linears_without_avx512_give_the_avx512_bits() -> None:
-    """The AVX2 code (compiled here with ``-mno-avx512f``) runs the AVX-512 code's 16 lanes as
-    two vectors of 8, with the same fused multiply-adds and the same tree: the same bits."""
-    avx2 = cpu_ops._build(("-mno-avx512f",), "specdec_cpu_ops_avx2")
+@pytest.mark.skipif(not cpu_ops.enabled(), reason="no fused CPU kernels")
+def test_float32_lanes_give_the_same_bits_on_every_build() -> None:
+    """Each output is one chain of fused multiply-adds whatever the vector width: the native
+    build, the AVX2 build (``-mno-avx512f``) and the scalar one (``std::fma``) agree bit for
+    bit, for every tile shape."""
+    builds = [
+        cpu_ops.extension(),
+        cpu_ops._build(("-mno-avx512f",), "specdec_cpu_ops_avx2"),
+        cpu_ops._build(("-mno-avx512f", "-mno-avx2"), "specdec_cpu_ops_scalar"),
+    ]
     torch.manual_seed(0)
-    for features in [(576, 960), (1536, 576), (40, 7)]:
-        w = torch.randn(features[1], features[0])  # float32: bf16 goes to linear_pairs
-        b = torch.randn(features[1])
-        x = torch.randn(9, features[0])
-        assert torch.equal(avx2.linear(x, w, b), cpu_ops.extension().linear(x, w, b))
+    for features in FEATURES:
+        w, b = torch.randn(features[1], features[0]), torch.randn(features[1])
+        packed = builds[0].pack_lanes(w)
+        for rows in (1, 2, 3, 5, 9, 12, 17, 260):
+            x = torch.randn(rows, features[0])
+            got = [k.linear_lanes(x, packed, b, features[1]) for k in builds]
+            assert all(torch.equal(got[0], other) for other in got[1:]), (features, rows)
 
 
 @pytest.mark.skipif(not cpu_ops.enabled(), reason="no fused CPU kernels")
@@ -238,3 +270,16 @@ def test_packed_linears_reject_mismatched_arguments() -> None:
         kernels.linear_pairs(x, packed, torch.zeros(19, dtype=torch.bfloat16), 20)
     with pytest.raises(RuntimeError, match="weight must be a contiguous"):
         kernels.pack_pairs(w.float())
+    lanes = kernels.pack_lanes(w.float())
+    with pytest.raises(RuntimeError, match="packed must come from pack_lanes"):
+        kernels.linear_lanes(torch.randn(2, 80), lanes, None, 20)
+    with pytest.raises(RuntimeError, match="x must be a contiguous 2-D float32"):
+        kernels.linear_lanes(x, lanes, None, 20)
+    with pytest.raises(RuntimeError, match="bias must be float32"):
+        kernels.linear_lanes(x.float(), lanes, torch.zeros(19), 20)
+    with pytest.raises(RuntimeError, match="packed must be 32-byte aligned"):
+        kernels.linear_lanes(x.float(), torch.zeros(lanes.numel() + 1)[1:], None, 20)
+    with pytest.raises(RuntimeError, match="weight must be a contiguous"):
+        kernels.pack_lanes(w)
+    with pytest.raises(ValueError, match="float32 or bfloat16 weights"):
+        RowLinear(nn.Linear(4, 4).double())
