@@ -39,6 +39,8 @@
 
 namespace {
 
+using namespace specdec_cpu;
+
 constexpr int64_t kLaneBlock = 16;     // features per block: one 64-byte line per input
 constexpr int64_t kLaneChunk = 64;     // inputs per pass when a block has several row tiles
 constexpr int kLaneRows = 5;           // most rows in a tile of one block
@@ -91,44 +93,13 @@ inline void lane_tile(const float* x, int64_t stride, const float* wb, const Lan
     for (int v = 0; v < V; v++) _mm256_storeu_ps(sums + r * 16 * B + 8 * v, acc[r][v]);
 }
 
-// Six rows of one block, for chunks of kWideLaneRows rows or more: 12 chains with two weight
-// vectors and a broadcast (15 ymm registers) in named variables, not an array: with arrays of 12
-// sums GCC kept them on the stack (see wide_sums in cpu_linear.cpp).
+// Six rows of one block, for chunks of kWideLaneRows rows or more: 12 chains in registers (see
+// six_row_sums in cpu_simd.h).
 inline void lane_tile6(const float* x, int64_t stride, const float* wb, int64_t k0, int64_t k1,
                        float* sums, bool ahead, int64_t block_floats) {
-  const float *x0 = x, *x1 = x + stride, *x2 = x + 2 * stride, *x3 = x + 3 * stride;
-  const float *x4 = x + 4 * stride, *x5 = x + 5 * stride;
-  __m256 lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, lo4, hi4, lo5, hi5;
-  if (k0 == 0) {
-    lo0 = hi0 = lo1 = hi1 = lo2 = hi2 = lo3 = hi3 = lo4 = hi4 = lo5 = hi5 = _mm256_setzero_ps();
-  } else {
-#define SPECDEC_LANE_LOAD(r)                          \
-  lo##r = _mm256_loadu_ps(sums + r * kLaneBlock);     \
-  hi##r = _mm256_loadu_ps(sums + r * kLaneBlock + 8);
-    SPECDEC_LANE_LOAD(0) SPECDEC_LANE_LOAD(1) SPECDEC_LANE_LOAD(2)
-    SPECDEC_LANE_LOAD(3) SPECDEC_LANE_LOAD(4) SPECDEC_LANE_LOAD(5)
-#undef SPECDEC_LANE_LOAD
-  }
-  for (int64_t k = k0; k < k1; k++) {
-    const float* line = wb + k * kLaneBlock;
-    if (ahead) _mm_prefetch(reinterpret_cast<const char*>(line + block_floats), _MM_HINT_T1);
-    const __m256 w0 = _mm256_load_ps(line), w1 = _mm256_load_ps(line + 8);
-#define SPECDEC_LANE_ROW(r)                          \
-  {                                                  \
-    const __m256 xv = _mm256_broadcast_ss(x##r + k); \
-    lo##r = _mm256_fmadd_ps(xv, w0, lo##r);          \
-    hi##r = _mm256_fmadd_ps(xv, w1, hi##r);          \
-  }
-    SPECDEC_LANE_ROW(0) SPECDEC_LANE_ROW(1) SPECDEC_LANE_ROW(2)
-    SPECDEC_LANE_ROW(3) SPECDEC_LANE_ROW(4) SPECDEC_LANE_ROW(5)
-#undef SPECDEC_LANE_ROW
-  }
-#define SPECDEC_LANE_STORE(r)                       \
-  _mm256_storeu_ps(sums + r * kLaneBlock, lo##r);   \
-  _mm256_storeu_ps(sums + r * kLaneBlock + 8, hi##r);
-  SPECDEC_LANE_STORE(0) SPECDEC_LANE_STORE(1) SPECDEC_LANE_STORE(2)
-  SPECDEC_LANE_STORE(3) SPECDEC_LANE_STORE(4) SPECDEC_LANE_STORE(5)
-#undef SPECDEC_LANE_STORE
+  const float* rows[6] = {x, x + stride, x + 2 * stride, x + 3 * stride, x + 4 * stride,
+                          x + 5 * stride};
+  six_row_sums(rows, wb, k0, k1, sums, ahead ? wb + block_floats : nullptr);
 }
 #else
 // Without AVX2 and FMA: the same chains, one std::fma (correctly rounded, as the instruction) at

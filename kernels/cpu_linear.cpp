@@ -247,30 +247,6 @@ inline void widen_block(const uint32_t* w, const PairLayout& l, int64_t block, f
   }
 }
 
-// The 6 x 16 sums of rows x[0..5] against a panel, into sums[6][16]. Twelve named vectors, not an
-// array: with the sums in arrays (one of 6 x 2, or two of 6, inlined or not) GCC stored all twelve
-// to the stack at every step, and a tile ran at half pair_tile's speed.
-inline void wide_sums(const float* const* x, const float* panel, int64_t steps, float* sums) {
-  const float *x0 = x[0], *x1 = x[1], *x2 = x[2], *x3 = x[3], *x4 = x[4], *x5 = x[5];
-  __m256 lo0 = _mm256_setzero_ps(), hi0 = lo0, lo1 = lo0, hi1 = lo0, lo2 = lo0, hi2 = lo0;
-  __m256 lo3 = lo0, hi3 = lo0, lo4 = lo0, hi4 = lo0, lo5 = lo0, hi5 = lo0;
-  for (int64_t k = 0; k < steps; k++) {
-    const __m256 w0 = _mm256_loadu_ps(panel + k * kPairBlock);
-    const __m256 w1 = _mm256_loadu_ps(panel + k * kPairBlock + 8);
-#define SPECDEC_WIDE_ROW(r)                                   \
-  {                                                           \
-    const __m256 xv = _mm256_broadcast_ss(x##r + k);          \
-    lo##r = _mm256_fmadd_ps(xv, w0, lo##r);                   \
-    hi##r = _mm256_fmadd_ps(xv, w1, hi##r);                   \
-  }
-    SPECDEC_WIDE_ROW(0) SPECDEC_WIDE_ROW(1) SPECDEC_WIDE_ROW(2)
-    SPECDEC_WIDE_ROW(3) SPECDEC_WIDE_ROW(4) SPECDEC_WIDE_ROW(5)
-#undef SPECDEC_WIDE_ROW
-  }
-  const __m256 sum[2 * kWideRows] = {lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, lo4, hi4, lo5, hi5};
-  for (int i = 0; i < 2 * kWideRows; i++) _mm256_storeu_ps(sums + 8 * i, sum[i]);
-}
-
 // Rows m0 .. m0 + rows - 1 (rows <= 6) against one block's panel. A tile of fewer rows computes
 // its last row again in the spare places and keeps only its own.
 inline void wide_tile(const float* xf, int64_t stride, int64_t rows, const float* panel,
@@ -279,7 +255,8 @@ inline void wide_tile(const float* xf, int64_t stride, int64_t rows, const float
   const float* x[kWideRows];
   for (int r = 0; r < kWideRows; r++) x[r] = xf + std::min<int64_t>(r, rows - 1) * stride;
   alignas(32) float sums[kWideRows][kPairBlock];
-  wide_sums(x, panel, 2 * l.pairs, sums[0]);  // past an odd width: a zero input, a zero weight
+  // past an odd width: a zero input, a zero weight
+  six_row_sums(x, panel, 0, 2 * l.pairs, sums[0], nullptr);
   store_group([&](int r, int64_t j) { return sums[r][j]; }, bias, y, l.out, m0,
               static_cast<int>(rows), block * kPairBlock, kPairBlock);
 }

@@ -249,8 +249,8 @@ inline void widen_group(const uint8_t* codes, const QuantLayout& l, int64_t bloc
 
 // One group for rows x[0..2] (each at the group's first input; xsum[r]: the row's group sum):
 // totals[r][0..15] += (even chain + odd chain) * d (+ m * xsum[r] for int4). The chains are
-// named variables: held in arrays, GCC stored them to the stack at every step (see wide_sums in
-// cpu_linear.cpp).
+// named variables: held in arrays, GCC stored them to the stack at every step (see six_row_sums in
+// cpu_simd.h).
 template <int BITS>
 inline void quant_wide_group(const float* const* x, const float* xsum, const float* panel,
                              const c10::Half* d16, const c10::Half* m16, float* const* totals) {

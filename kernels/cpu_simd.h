@@ -1,4 +1,4 @@
-// Shared pieces of the CPU kernels (cpu_ops.cpp, cpu_linear.cpp, cpu_quant.cpp): loads that widen
+// Shared pieces of the CPU kernels (cpu_ops.cpp, cpu_linear.cpp, cpu_lanes.cpp, cpu_quant.cpp): loads that widen
 // to float32, rounding as torch rounds, a vectorisable exp, the fixed tree in which 16 lane sums
 // are added, and access to AMX tiles. Every kernel that sums uses these, so a sum's order is
 // written down in one place.
@@ -348,6 +348,47 @@ struct TileConfig {
 inline bool amx_usable() {
   static const bool usable = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
   return usable;
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// Six rows of float32 sums against a block of 16 features laid out [input][16] (a float32
+// weight packed in lanes, cpu_lanes.cpp, or a bf16 block widened into a panel, cpu_linear.cpp):
+// sums[r][j] += x[r][k] * block[k][j] for k = k0 .. k1 - 1 in order, one fused multiply-add at a
+// time, from zero at k0 == 0 (else from `sums`). `ahead`: lines to ask into L2 beside these (the
+// next block's), or null. Twelve named vectors, not an array: with the sums in arrays (one of
+// 6 x 2, or two of 6, inlined or not) GCC stored all twelve to the stack at every step, and a
+// tile ran at half the speed.
+inline void six_row_sums(const float* const* x, const float* block, int64_t k0, int64_t k1,
+                         float* sums, const float* ahead) {
+  const float *x0 = x[0], *x1 = x[1], *x2 = x[2], *x3 = x[3], *x4 = x[4], *x5 = x[5];
+  __m256 lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, lo4, hi4, lo5, hi5;
+  if (k0 == 0) {
+    lo0 = hi0 = lo1 = hi1 = lo2 = hi2 = lo3 = hi3 = lo4 = hi4 = lo5 = hi5 = _mm256_setzero_ps();
+  } else {
+#define SPECDEC_SIX_LOAD(r)                \
+  lo##r = _mm256_loadu_ps(sums + 16 * r);  \
+  hi##r = _mm256_loadu_ps(sums + 16 * r + 8);
+    SPECDEC_SIX_LOAD(0) SPECDEC_SIX_LOAD(1) SPECDEC_SIX_LOAD(2)
+    SPECDEC_SIX_LOAD(3) SPECDEC_SIX_LOAD(4) SPECDEC_SIX_LOAD(5)
+#undef SPECDEC_SIX_LOAD
+  }
+  for (int64_t k = k0; k < k1; k++) {
+    const float* line = block + 16 * k;
+    if (ahead) _mm_prefetch(reinterpret_cast<const char*>(ahead + 16 * k), _MM_HINT_T1);
+    const __m256 w0 = _mm256_loadu_ps(line), w1 = _mm256_loadu_ps(line + 8);
+#define SPECDEC_SIX_ROW(r)                           \
+  {                                                  \
+    const __m256 xv = _mm256_broadcast_ss(x##r + k); \
+    lo##r = _mm256_fmadd_ps(xv, w0, lo##r);          \
+    hi##r = _mm256_fmadd_ps(xv, w1, hi##r);          \
+  }
+    SPECDEC_SIX_ROW(0) SPECDEC_SIX_ROW(1) SPECDEC_SIX_ROW(2)
+    SPECDEC_SIX_ROW(3) SPECDEC_SIX_ROW(4) SPECDEC_SIX_ROW(5)
+#undef SPECDEC_SIX_ROW
+  }
+  const __m256 all[12] = {lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, lo4, hi4, lo5, hi5};
+  for (int i = 0; i < 12; i++) _mm256_storeu_ps(sums + 8 * i, all[i]);
 }
 #endif
 
