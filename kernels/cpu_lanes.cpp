@@ -23,7 +23,8 @@
 // Tiles: a decode's single row takes 4 blocks at once (8 independent chains keep both FMA units
 // busy while the weights stream from memory), 2 or 3 rows take 2 blocks, and more rows take one
 // block in tiles of up to 5 rows (10 sums, 2 weight vectors and a broadcast input: 13 of the 16
-// ymm registers). When a block has several tiles, they take the inputs kLaneChunk at a time, so
+// ymm registers); from kWideLaneRows rows on, tiles of 6 rows (12 sums in named registers, see
+// six_row_sums in cpu_simd.h) with one smaller tile for the rest. When a block has several tiles, they take the inputs kLaneChunk at a time, so
 // that the block's 4 KB of weights for those inputs stay in L1 while every tile reads them; a
 // tile's sums wait in memory between chunks (a store and a load do not change a float).
 
@@ -93,13 +94,12 @@ inline void lane_tile(const float* x, int64_t stride, const float* wb, const Lan
     for (int v = 0; v < V; v++) _mm256_storeu_ps(sums + r * 16 * B + 8 * v, acc[r][v]);
 }
 
-// Six rows of one block, for chunks of kWideLaneRows rows or more: 12 chains in registers (see
-// six_row_sums in cpu_simd.h).
-inline void lane_tile6(const float* x, int64_t stride, const float* wb, int64_t k0, int64_t k1,
-                       float* sums, bool ahead, int64_t block_floats) {
+// Six rows of one block: lane_tile<6, 1>'s sums, kept in named registers.
+inline void lane_tile6(const float* x, int64_t stride, const float* wb, const LaneLayout& l,
+                       int64_t k0, int64_t k1, float* sums, bool ahead) {
   const float* rows[6] = {x, x + stride, x + 2 * stride, x + 3 * stride, x + 4 * stride,
                           x + 5 * stride};
-  six_row_sums(rows, wb, k0, k1, sums, ahead ? wb + block_floats : nullptr);
+  six_row_sums(rows, wb, k0, k1, sums, ahead ? wb + l.in * kLaneBlock : nullptr);
 }
 #else
 // Without AVX2 and FMA: the same chains, one std::fma (correctly rounded, as the instruction) at
@@ -119,9 +119,8 @@ inline void lane_tile(const float* x, int64_t stride, const float* wb, const Lan
       }
 }
 
-inline void lane_tile6(const float* x, int64_t stride, const float* wb, int64_t k0, int64_t k1,
-                       float* sums, bool ahead, int64_t block_floats) {
-  const LaneLayout l(block_floats / kLaneBlock, kLaneBlock);
+inline void lane_tile6(const float* x, int64_t stride, const float* wb, const LaneLayout& l,
+                       int64_t k0, int64_t k1, float* sums, bool ahead) {
   lane_tile<6, 1>(x, stride, wb, l, k0, k1, sums, ahead);
 }
 #endif
@@ -171,9 +170,9 @@ void lane_linear_rows(const float* x, const float* w, const float* bias, float* 
         }
         return;
       }
-      // One block at a time, its rows in tiles of nearly equal size (9 rows: 5 + 4), the inputs
-      // in chunks shared by the tiles.
-      // Chunks of kWideLaneRows rows or more: tiles of 6 rows, the rest in one smaller tile.
+      // One block at a time, the inputs in chunks shared by its row tiles: from kWideLaneRows
+      // rows on, tiles of 6 and the rest in smaller ones; below, tiles of nearly equal size
+      // (9 rows: 5 + 4).
       const int64_t wide = chunk >= kWideLaneRows ? chunk / 6 : 0;
       const int64_t rest = chunk - 6 * wide;
       const int64_t tiles = wide + (rest + kLaneRows - 1) / kLaneRows;
@@ -185,8 +184,7 @@ void lane_linear_rows(const float* x, const float* w, const float* bias, float* 
           const int64_t k1 = std::min(l.in, k0 + step);
           int64_t m = 0;
           for (; m < 6 * wide; m += 6)
-            lane_tile6(xc + m * l.in, l.in, wb, k0, k1, sums.data() + m * kLaneBlock, m == 0,
-                       l.in * kLaneBlock);
+            lane_tile6(xc + m * l.in, l.in, wb, l, k0, k1, sums.data() + m * kLaneBlock, m == 0);
           for (int64_t t = wide; t < tiles; t++) {
             const int64_t size = (chunk - m + (tiles - t) - 1) / (tiles - t);  // larger first
             lane_tile_of<kLaneRows, 1>(size, 1, xc + m * l.in, l.in, wb, l, k0, k1,

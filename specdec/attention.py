@@ -21,9 +21,8 @@ split into groups so that little work is wasted on padding:
 **Batch-invariant mode** (``invariant=True``, the default where the CPU kernels are vector code):
 a query row's output is bitwise the same whatever else the step holds: how many drafts its
 sequence verifies, which other sequences share the step, how a prompt was cut into prefill
-chunks. Speculative decoding needs
-this to give exactly the tokens of plain decoding: in bfloat16 a one-ulp difference in a hidden
-state flips near-tied argmaxes within a few dozen tokens. The idea is that of Thinking Machines'
+chunks. Speculative decoding needs this to give exactly the tokens of plain decoding: in bfloat16
+a one-ulp difference in a hidden state flips near-tied argmaxes within a few dozen tokens. The idea is that of Thinking Machines'
 "Defeating Nondeterminism in LLM Inference" (He et al., 2025): every reduction runs in an order
 that does not depend on the batch. Here that holds because
 
@@ -33,8 +32,7 @@ that does not depend on the batch. Here that holds because
   oneDNN's per-element reduction order fixed for any number of queries (see
   :func:`_attend_invariant`), with masked keys adding exact zeros;
 * the model's linears run on packed weights, each output one chain over its inputs whatever the
-  row count: float32 packed in lanes of 16 features, bf16 in input pairs on AMX tiles or
-  ``vdpbf16ps``
+  row count: float32 in lanes of 16 features, bf16 in input pairs on AMX tiles or ``vdpbf16ps``
   (:class:`specdec.models.linear.RowLinear`; without the kernels, oneDNN calls of at most 32
   rows, which holds on AMX CPUs), and the other ops of a layer work row by row
   (:mod:`specdec.kernels.cpu_ops`);

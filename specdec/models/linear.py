@@ -72,10 +72,10 @@ def batch_invariant_by_default(dtype: torch.dtype) -> bool:
     against the same engine with ``batch_invariant=False`` (attention to prompt chunks then
     through torch's SDPA), prompts of 9-512 tokens ran 1.03-1.20x, of 1,500 tokens 0.95x, and 4
     long summarization and retrieval prompts with 64 new tokens each 1.00x."""
-    return can_batch_invariant(dtype) and vector_pair_kernels()
+    return can_batch_invariant(dtype) and vector_row_kernels()
 
 
-def vector_pair_kernels() -> bool:
+def vector_row_kernels() -> bool:
     """Whether the row kernels (``linear_pairs``, ``linear_lanes``) are built with vector code
     here: AVX-512, or AVX2 with FMA; otherwise they are scalar loops."""
     flags = set(cpu_ops.cpu_flags().split())
@@ -196,8 +196,8 @@ def use_row_kernels(model: nn.Module, invariant: bool = False) -> int:
     """
     if not cpu_ops.enabled():
         return 0
-    lanes = invariant or vector_pair_kernels()  # else F.linear: MKL beats a scalar loop
-    pairs = invariant or (vector_pair_kernels() and not can_prepack(torch.bfloat16))
+    lanes = invariant or vector_row_kernels()  # else F.linear: MKL beats a scalar loop
+    pairs = invariant or (vector_row_kernels() and not can_prepack(torch.bfloat16))
     swaps = [
         (parent, name, child)
         for parent in model.modules()

@@ -108,7 +108,7 @@ def test_bf16_without_invariance_packs_pairs_only_where_onednn_cannot_pack(
 ) -> None:
     """Without invariance, bf16 linears on an AVX2 CPU (pair kernel in vector code, no oneDNN
     bf16 packing) run the pair kernel, not ``F.linear``; where oneDNN packs, they are left to it."""
-    monkeypatch.setattr(linear_module, "vector_pair_kernels", lambda: True)
+    monkeypatch.setattr(linear_module, "vector_row_kernels", lambda: True)
     monkeypatch.setattr(linear_module, "can_prepack", lambda dtype: onednn)
     plain = nn.Linear(64, 32).to(torch.bfloat16)
     model = nn.Sequential(nn.Linear(64, 32).to(torch.bfloat16))
