@@ -8,6 +8,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -25,7 +26,9 @@ from specdec.models.llama import LlamaForCausalLM
 from specdec.models.quant import check_quantization
 from specdec.outputs import RequestOutput
 
-Prompt = str | list[int]
+# Raw text, token ids, or vLLM's prompt dictionaries: {"prompt": text} (TextPrompt) or
+# {"prompt_token_ids": ids} (TokensPrompt)
+Prompt = str | list[int] | dict[str, Any]
 Conversation = list[dict[str, str]]
 # apply_chat_template's own arguments, which template variables must not override
 CHAT_TEMPLATE_ARGUMENTS = frozenset(
@@ -121,7 +124,8 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Generate a completion for each prompt (raw text or token ids, no chat template)."""
+        """Generate a completion for each prompt (text, token ids, or vLLM's `{"prompt": ...}` /
+        `{"prompt_token_ids": ...}` dictionaries; no chat template)."""
         prompt_list: list[Prompt] = (
             [prompts] if _is_single(prompts) else list(prompts)  # type: ignore[list-item, arg-type]
         )
@@ -228,9 +232,13 @@ class LLM:
         return text
 
     def encode(self, prompt: Prompt) -> list[int]:
+        """The token ids of ``prompt`` (text is tokenized without special tokens); anything
+        that is not a :data:`Prompt` raises a TypeError that says what was given."""
+        if isinstance(prompt, dict):
+            prompt = _dict_prompt(prompt)
         if isinstance(prompt, str):
             return list(self.tokenizer.encode(prompt, add_special_tokens=False))
-        return list(prompt)
+        return _token_ids(prompt)
 
     def decode(self, token_ids: list[int]) -> str:
         """The text of ``token_ids``, special tokens kept (the inverse of :meth:`encode`)."""
@@ -251,9 +259,42 @@ class LLM:
 
 
 def _is_single(prompts: Any) -> bool:
-    return isinstance(prompts, str) or (
-        isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)
+    if isinstance(prompts, torch.Tensor | np.ndarray):
+        return prompts.ndim == 1
+    return isinstance(prompts, str | dict) or (
+        isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int | np.integer)
     )
+
+
+def _dict_prompt(prompt: dict[str, Any]) -> str | list[int]:
+    """The text or token ids of vLLM's ``TextPrompt`` / ``TokensPrompt`` dictionaries."""
+    keys = set(prompt)
+    if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+        return str(prompt["prompt"])
+    if keys == {"prompt_token_ids"}:
+        return _token_ids(prompt["prompt_token_ids"])
+    raise TypeError(
+        'a prompt dictionary takes one key, "prompt" (text) or "prompt_token_ids" (token ids); '
+        f"got keys {sorted(keys)}"
+    )
+
+
+def _token_ids(prompt: Any) -> list[int]:
+    """``prompt`` as a list of Python ints, from a sequence (or 1-D array) of integers."""
+    if isinstance(prompt, torch.Tensor | np.ndarray):
+        if prompt.ndim != 1:
+            raise TypeError(f"token ids must be 1-D, got an array of shape {tuple(prompt.shape)}")
+        prompt = prompt.tolist()
+    if not isinstance(prompt, Sequence) or isinstance(prompt, bytes):
+        raise TypeError(
+            "a prompt is text, a list of token ids or a dict with 'prompt' or "
+            f"'prompt_token_ids', not {type(prompt).__name__}"
+        )
+    ids = list(prompt)
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int | np.integer):
+            raise TypeError(f"token ids must be integers, got {type(t).__name__} ({t!r})")
+    return [int(t) for t in ids]
 
 
 def merge_delta(total: RequestOutput, delta: RequestOutput) -> None:

@@ -45,3 +45,9 @@ class RequestOutput:
     # one per prompt token, the first None (nothing precedes it), when
     # SamplingParams.prompt_logprobs is set; in a stream, only the first delta carries them
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+    @property
+    def outputs(self) -> list[RequestOutput]:
+        """vLLM's shape, for code written against it: a request's completions, here always one,
+        this output itself, so ``out.outputs[0].text`` reads as ``out.text`` does."""
+        return [self]
