@@ -97,6 +97,55 @@ class SpecConfig:
             )
         self.options = option_class(**options)
 
+    @classmethod
+    def from_vllm(cls, config: dict[str, Any]) -> SpecConfig:
+        """The configuration vLLM's ``LLM(speculative_config={...})`` describes: ``method``
+        ("ngram", "eagle", "medusa" or "draft_model"; without one, a ``model`` makes a draft
+        model), ``model`` (the draft model, or the heads directory), ``num_speculative_tokens``
+        and ngram's ``prompt_lookup_min`` / ``prompt_lookup_max``. The depth stays adaptive, up
+        to ``num_speculative_tokens`` (vLLM drafts that many every step; the output is the same).
+        """
+        known = (
+            "method",
+            "model",
+            "num_speculative_tokens",
+            "prompt_lookup_min",
+            "prompt_lookup_max",
+        )
+        unknown = sorted(set(config) - set(known))
+        if unknown:
+            raise ValueError(
+                f"speculative_config key {unknown[0]!r} is not supported here; supported: "
+                f"{', '.join(known)}"
+            )
+        method = config.get("method") or ("draft_model" if config.get("model") else None)
+        drafters = {
+            "ngram": "prompt_lookup",
+            "eagle": "eagle",
+            "medusa": "medusa",
+            "draft_model": "draft_model",
+        }
+        if method not in drafters:
+            raise ValueError(
+                f"speculative_config method {method!r} is not supported here; choose one of "
+                f"{', '.join(drafters)} (eagle and medusa take heads from specdec train-heads)"
+            )
+        options: dict[str, Any] = {}
+        model = config.get("model")
+        if method == "ngram":
+            options = {
+                k: config[k] for k in ("prompt_lookup_min", "prompt_lookup_max") if k in config
+            }
+            if model not in (None, "ngram", "[ngram]"):
+                raise ValueError(f"method 'ngram' takes no draft model, got {model!r}")
+        elif "prompt_lookup_min" in config or "prompt_lookup_max" in config:
+            raise ValueError(f"prompt_lookup_min and prompt_lookup_max are ngram's, not {method}'s")
+        elif model is not None:
+            options = {"draft_model" if method == "draft_model" else "heads": model}
+        if "num_speculative_tokens" in config:
+            options["num_speculative_tokens"] = config["num_speculative_tokens"]
+        return cls(drafters[method], **options)
+
     @staticmethod
     def coerce(value: SpecConfig | dict | None) -> SpecConfig | None:
         if value is None or isinstance(value, SpecConfig):

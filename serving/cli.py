@@ -97,6 +97,13 @@ def _is_loopback(host: str) -> bool:
     type=float,
     help="CUDA: the share of GPU memory the engine may hold; the KV pool takes what is left.",
 )
+@click.option(
+    "--seed",
+    default=None,
+    type=int,
+    help="Requests without a seed draw theirs from a generator seeded with this, so a restarted "
+    "server repeats the same requests' samples (vLLM's --seed; default: unseeded).",
+)
 @click.option("--log-level", default="info", show_default=True)
 def serve(
     model: str | None,
@@ -127,6 +134,7 @@ def serve(
     max_num_seqs: int,
     kv_cache_memory_gb: float,
     gpu_memory_utilization: float,
+    seed: int | None,
     log_level: str,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
@@ -157,6 +165,7 @@ def serve(
             max_model_len=max_model_len,
             kv_cache_memory_gb=kv_cache_memory_gb,
             gpu_memory_utilization=gpu_memory_utilization,
+            seed=seed,
             speculative=spec_config(
                 drafter,
                 num_speculative_tokens,

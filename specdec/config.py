@@ -250,6 +250,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     # CUDA: decode and verification steps replay captured CUDA graphs (see specdec.cuda_graphs)
     cuda_graphs: bool = False
+    # requests without SamplingParams.seed take noise seeds drawn from a generator seeded with
+    # this, so a rerun repeats them (vLLM's LLM(seed=)); None: drawn from torch's global RNG
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.block_size > 0, f"block_size must be positive, got {self.block_size}")
@@ -273,6 +276,10 @@ class EngineConfig:
         _check(
             0 < self.gpu_memory_utilization <= 1,
             f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+        _check(
+            self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
+            f"seed must be an integer or None, got {self.seed!r}",
         )
         resolve_device(self.device)  # a bad name fails here, where it was written
 

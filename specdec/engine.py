@@ -78,6 +78,7 @@ class Engine:
         self.guides = GuideFactory(tokenizer, self.vocab_size, self.eos_token_ids)
         self.requests: dict[int, Sequence] = {}
         self._ids = itertools.count()
+        self._seeds = None if config.seed is None else torch.Generator().manual_seed(config.seed)
         self.drafter: Drafter | None = None
         self.policy: AdaptivePolicy | None = None
         if speculative is not None:
@@ -101,7 +102,14 @@ class Engine:
         ):
             if any(t >= self.vocab_size for t in ids):  # SamplingParams refused negative ones
                 raise ValueError(f"{name} token ids must lie in [0, {self.vocab_size})")
-        seq = Sequence(next(self._ids), list(prompt_token_ids), n, params, self.eos_token_ids)
+        seq = Sequence(
+            next(self._ids),
+            list(prompt_token_ids),
+            n,
+            params,
+            self.eos_token_ids,
+            seeds=self._seeds,
+        )
         seq.guide = self.guides.for_params(params)
         self.requests[seq.seq_id] = seq
         self.scheduler.add(seq)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 from collections.abc import Iterator, Sequence
@@ -10,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from specdec.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
@@ -68,9 +70,15 @@ class LLM:
         dtype: str | Any = "float32",
         speculative: SpecConfig | dict | None = None,
         quantization: str | None = None,
+        *,
+        speculative_config: dict[str, Any] | None = None,
         **engine_options: Any,
     ):
-        config = EngineConfig(**engine_options)
+        if speculative_config is not None:
+            if speculative is not None:
+                raise ValueError("give speculative or vLLM's speculative_config, not both")
+            speculative = SpecConfig.from_vllm(speculative_config)
+        config = engine_config(engine_options)
         resolved = resolve_dtype(dtype)
         quantization = check_quantization(quantization)
         checkpoint = load_checkpoint(model, tokenizer, resolved)
@@ -96,7 +104,7 @@ class LLM:
         """An engine on a native model already built from ``checkpoint`` (``specdec.wrap``
         builds one per drafter around the same weights)."""
         llm = cls.__new__(cls)
-        config = EngineConfig(**engine_options)
+        config = engine_config(engine_options)
         dtype = model.embed_tokens.weight.dtype
         llm._assemble(checkpoint, model, dtype, config, speculative, None)
         return llm
@@ -122,33 +130,45 @@ class LLM:
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate a completion for each prompt (text, token ids, or vLLM's `{"prompt": ...}` /
-        `{"prompt_token_ids": ...}` dictionaries; no chat template)."""
+        `{"prompt_token_ids": ...}` dictionaries; no chat template), with one
+        ``SamplingParams`` for all or one per prompt; ``use_tqdm`` shows a progress bar of
+        finished requests, as vLLM's does."""
         prompt_list: list[Prompt] = (
             [prompts] if _is_single(prompts) else list(prompts)  # type: ignore[list-item, arg-type]
         )
-        param_list = self._params_for(params, len(prompt_list))
+        param_list = self._params_for(sampling_params, len(prompt_list))
         ids: list[int] = []
+        progress = tqdm(total=len(prompt_list), desc="requests", disable=not use_tqdm)
         try:  # on any error (a bad prompt, Ctrl-C), abort what was queued: nothing is left behind
+            results = {}
             for prompt, sp in zip(prompt_list, param_list, strict=True):
                 ids.append(self._add(prompt, sp))
-            results = {i: RequestOutput(i, self.engine.requests[i].prompt_token_ids) for i in ids}
+                out = RequestOutput(ids[-1], self.engine.requests[ids[-1]].prompt_token_ids)
+                out.prompt = _prompt_text(prompt)
+                results[ids[-1]] = out
             while self.engine.has_unfinished():
                 for delta in self.engine.step():
                     merge_delta(results[delta.request_id], delta)
+                    progress.update(int(delta.finished))
         except BaseException:
             for i in ids:
                 self.engine.abort(i)
             raise
+        finally:
+            progress.close()
         return [results[i] for i in ids]
 
     def chat(
         self,
         conversations: Conversation | list[Conversation],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
+        use_tqdm: bool = False,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
@@ -162,8 +182,8 @@ class LLM:
         options = ChatOptions(
             add_generation_prompt, continue_final_message, chat_template_kwargs, tools
         )
-        prompts = [self.apply_chat_template(c, options) for c in conversations]  # type: ignore[arg-type]
-        return self.generate(prompts, params)
+        prompts = [self.render_chat(c, options) for c in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(
         self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams
@@ -177,14 +197,14 @@ class LLM:
         return beam_search(self, encoded, params)
 
     def stream(
-        self, prompt: Prompt, params: SamplingParams | None = None
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
         """Yield deltas (new tokens and text) of one request as they are produced.
 
         Other requests already queued on the engine advance in the same steps. Closing the
         iterator early aborts the request and frees its KV blocks.
         """
-        request_id = self._add(prompt, params or SamplingParams())
+        request_id = self._add(prompt, sampling_params or SamplingParams())
         try:
             while request_id in self.engine.requests:
                 for delta in self.engine.step():
@@ -231,6 +251,10 @@ class LLM:
         assert isinstance(text, str)
         return text
 
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        """The target's tokenizer (vLLM's ``LLM.get_tokenizer``)."""
+        return self.tokenizer
+
     def encode(self, prompt: Prompt) -> list[int]:
         """The token ids of ``prompt`` (text is tokenized without special tokens); anything
         that is not a :data:`Prompt` raises a TypeError that says what was given."""
@@ -258,12 +282,32 @@ class LLM:
         return list(params)
 
 
+def engine_config(options: dict[str, Any]) -> EngineConfig:
+    """The :class:`EngineConfig` of ``LLM``'s keyword options; an unknown one (vLLM has many
+    that mean nothing here) raises a TypeError that names it and lists the known ones."""
+    known = [f.name for f in dataclasses.fields(EngineConfig)]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise TypeError(
+            f"LLM got unknown option(s) {', '.join(map(repr, unknown))}; its engine options are "
+            f"{', '.join(known)}"
+        )
+    return EngineConfig(**options)
+
+
 def _is_single(prompts: Any) -> bool:
     if isinstance(prompts, torch.Tensor | np.ndarray):
         return prompts.ndim == 1
     return isinstance(prompts, str | dict) or (
         isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int | np.integer)
     )
+
+
+def _prompt_text(prompt: Prompt) -> str | None:
+    """The text of a prompt given as text (vLLM's ``RequestOutput.prompt``); None for ids."""
+    if isinstance(prompt, dict):
+        prompt = _dict_prompt(prompt)
+    return prompt if isinstance(prompt, str) else None
 
 
 def _dict_prompt(prompt: dict[str, Any]) -> str | list[int]:

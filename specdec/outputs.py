@@ -45,9 +45,15 @@ class RequestOutput:
     # one per prompt token, the first None (nothing precedes it), when
     # SamplingParams.prompt_logprobs is set; in a stream, only the first delta carries them
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt: str | None = None  # the prompt's text where it was given as text (LLM.generate)
 
     @property
     def outputs(self) -> list[RequestOutput]:
         """vLLM's shape, for code written against it: a request's completions, here always one,
         this output itself, so ``out.outputs[0].text`` reads as ``out.text`` does."""
         return [self]
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The generated tokens' summed log-probability, when ``logprobs`` were asked for."""
+        return None if self.logprobs is None else sum(t.logprob for t in self.logprobs)

@@ -9,7 +9,7 @@ Terms (vLLM's):
         ``num_computed_tokens`` (their KV slots are simply overwritten later).
     block_table: the KV block ids holding this sequence's tokens, in order.
     seed: the request's noise seed: ``SamplingParams.seed``, or one drawn from torch's global RNG
-        when the sequence is created (so ``torch.manual_seed`` makes unseeded runs reproducible and
+        (or the engine's own generator, with ``EngineConfig.seed``) when the sequence is created (so ``torch.manual_seed`` makes unseeded runs reproducible and
         unseeded requests stay independent). Each sampled token's noise is keyed by the seed and
         the token's position (:func:`specdec.sampling.exponential_noise`); greedy rows ignore it.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -86,10 +86,13 @@ class Sequence:
     guide: Guide | None = None
     guide_states: list[Any] = field(default_factory=list)
     seed: int = field(init=False)  # noise seed: params.seed, else drawn at creation
+    seeds: InitVar[torch.Generator | None] = None  # where an unseeded seed is drawn; None: global
 
-    def __post_init__(self) -> None:
-        seed = self.params.seed
-        self.seed = int(torch.randint(2**63 - 1, ())) if seed is None else seed
+    def __post_init__(self, seeds: torch.Generator | None) -> None:
+        if self.params.seed is not None:
+            self.seed = self.params.seed
+        else:
+            self.seed = int(torch.randint(2**63 - 1, (), generator=seeds))
         if not self.metrics.arrival_time:
             self.metrics.arrival_time = time.perf_counter()
 

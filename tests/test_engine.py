@@ -226,46 +226,6 @@ def test_bad_prompts_raise_and_leave_the_engine_untouched(make_llm, prompt, mess
     assert_matches_transformers(llm, [[1, 2, 3]])
 
 
-def test_vllm_prompt_dicts_and_arrays_are_prompts_too(make_llm):
-    import numpy as np
-
-    llm = make_llm()
-    ids = llm.encode("hello there")
-    want = [o.token_ids for o in llm.generate(["hello there", ids], GREEDY)]
-    forms = [
-        {"prompt": "hello there"},
-        {"prompt_token_ids": ids},
-        torch.tensor(ids),
-        np.array(ids, dtype=np.int64),
-    ]
-    for form in forms:  # alone, and in a batch
-        assert llm.generate(form, GREEDY)[0].token_ids == want[0]
-    got = llm.generate([forms[0], forms[1], [np.int32(t) for t in ids]], GREEDY)
-    assert [o.token_ids for o in got] == [want[0], want[1], want[1]]
-    # and the output reads as vLLM's too: one completion per request
-    assert got[0].outputs[0].token_ids == want[0] and got[0].outputs[0].text == got[0].text
-
-
-@pytest.mark.parametrize(
-    ("prompt", "message"),
-    [
-        ({"prompt": "hi", "multi_modal_data": {}}, "one key"),
-        ({"text": "hi"}, "one key"),
-        ({"prompt_token_ids": "hi"}, "token ids must be integers"),
-        ([1.0, 2.0], "token ids must be integers, got float"),
-        ([True, 2], "got bool"),
-        (torch.ones(2, 3, dtype=torch.long), "must be 1-D"),
-        (7, "not int"),
-        (b"hi", "not bytes"),
-    ],
-)
-def test_prompts_of_the_wrong_type_raise_a_clear_type_error(make_llm, prompt, message):
-    llm = make_llm()
-    with pytest.raises(TypeError, match=message):
-        llm.generate([[1, 2, 3], prompt], GREEDY)
-    assert not llm.engine.has_unfinished()
-
-
 def test_mismatched_params_list_is_rejected(make_llm):
     with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
         make_llm().generate(["a"], [GREEDY, GREEDY])

@@ -24,7 +24,7 @@ def test_an_unknown_drafter_is_refused_before_loading_anything():
 def test_help_documents_the_options():
     result = CliRunner().invoke(cli.serve, ["--help"])
     options = ("--host", "--port", "--api-key", "SPECDEC_API_KEY", "--max-concurrent", "--device")
-    for option in (*options, "--gpu-memory-utilization"):
+    for option in (*options, "--gpu-memory-utilization", "--seed"):
         assert option in result.output
 
 
@@ -46,7 +46,7 @@ def captured_run(monkeypatch) -> dict:
 def test_serve_binds_loopback_and_takes_the_api_key_from_the_environment(captured_run):
     args = ["--served-model-name", MODEL, "--max-num-seqs", "8", "--dtype", "bfloat16"]
     args += ["--no-batch-invariant", "--quantization", "int4", "--device", "cpu"]
-    args += ["--gpu-memory-utilization", "0.5"]
+    args += ["--gpu-memory-utilization", "0.5", "--seed", "11"]
     result = CliRunner().invoke(cli.serve, args, env={"SPECDEC_API_KEY": "k3y"})
     assert result.exit_code == 0, result.output
     assert (captured_run["host"], captured_run["port"]) == ("127.0.0.1", 8000)
@@ -62,6 +62,7 @@ def test_serve_binds_loopback_and_takes_the_api_key_from_the_environment(capture
             "max_model_len": None,
             "kv_cache_memory_gb": 1.0,
             "gpu_memory_utilization": 0.5,
+            "seed": 11,
             "speculative": None,
         },
     )
