@@ -99,6 +99,9 @@ class SamplingParams:
     json_schema: dict[str, Any] | str | None = None
     # vLLM's form of the three above (see StructuredOutputsParams)
     structured_outputs: StructuredOutputsParams | None = None
+    # completions per prompt in LLM.generate (vLLM's n); completion i of a seeded request uses
+    # seed + i, as the server's choices do
+    n: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -164,6 +167,10 @@ class SamplingParams:
         _check(
             self.seed is None or isinstance(self.seed, int),
             f"seed must be an integer or None, got {self.seed!r}",
+        )
+        _check(
+            isinstance(self.n, int) and not isinstance(self.n, bool) and self.n >= 1,
+            f"n must be a positive integer, got {self.n!r}",
         )
         _check(
             all(isinstance(s, str) and s for s in self.stop),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import os
@@ -137,31 +138,35 @@ class LLM:
         """Generate a completion for each prompt (text, token ids, or vLLM's `{"prompt": ...}` /
         `{"prompt_token_ids": ...}` dictionaries; no chat template), with one
         ``SamplingParams`` for all or one per prompt; ``use_tqdm`` shows a progress bar of
-        finished requests, as vLLM's does."""
+        finished requests, as vLLM's does. With ``n > 1`` a prompt's output holds its first
+        completion and ``more_completions`` the rest (``outputs`` lists them all)."""
         prompt_list: list[Prompt] = (
             [prompts] if _is_single(prompts) else list(prompts)  # type: ignore[list-item, arg-type]
         )
         param_list = self._params_for(sampling_params, len(prompt_list))
-        ids: list[int] = []
-        progress = tqdm(total=len(prompt_list), desc="requests", disable=not use_tqdm)
+        ids: list[list[int]] = []  # per prompt, its completions' request ids
+        results: dict[int, RequestOutput] = {}
+        progress = tqdm(total=sum(p.n for p in param_list), disable=not use_tqdm)
         try:  # on any error (a bad prompt, Ctrl-C), abort what was queued: nothing is left behind
-            results = {}
             for prompt, sp in zip(prompt_list, param_list, strict=True):
-                ids.append(self._add(prompt, sp))
-                out = RequestOutput(ids[-1], self.engine.requests[ids[-1]].prompt_token_ids)
-                out.prompt = _prompt_text(prompt)
-                results[ids[-1]] = out
+                ids.append([])
+                text, token_ids = _prompt_text(prompt), self.encode(prompt)
+                for choice in range(sp.n):
+                    ids[-1].append(self.engine.add_request(token_ids, _completion(sp, choice)))
+                    results[ids[-1][-1]] = RequestOutput(ids[-1][-1], token_ids, prompt=text)
             while self.engine.has_unfinished():
                 for delta in self.engine.step():
                     merge_delta(results[delta.request_id], delta)
                     progress.update(int(delta.finished))
         except BaseException:
-            for i in ids:
+            for i in results:
                 self.engine.abort(i)
             raise
         finally:
             progress.close()
-        return [results[i] for i in ids]
+        for choices in ids:
+            results[choices[0]].more_completions = [results[i] for i in choices[1:]]
+        return [results[choices[0]] for choices in ids]
 
     def chat(
         self,
@@ -204,7 +209,10 @@ class LLM:
         Other requests already queued on the engine advance in the same steps. Closing the
         iterator early aborts the request and frees its KV blocks.
         """
-        request_id = self._add(prompt, sampling_params or SamplingParams())
+        params = sampling_params or SamplingParams()
+        if params.n != 1:
+            raise ValueError(f"stream gives one completion: n must be 1, got {params.n}")
+        request_id = self._add(prompt, params)
         try:
             while request_id in self.engine.requests:
                 for delta in self.engine.step():
@@ -301,6 +309,18 @@ def _is_single(prompts: Any) -> bool:
     return isinstance(prompts, str | dict) or (
         isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int | np.integer)
     )
+
+
+def _completion(params: SamplingParams, choice: int) -> SamplingParams:
+    """The parameters of completion ``choice`` of ``params.n``: seed + choice if seeded (as
+    the server's choices), else a seed of its own. A copy, so that validation does not rerun."""
+    if params.n == 1:
+        return params
+    one = copy.copy(params)
+    one.n = 1
+    if params.seed is not None and choice:
+        one.seed = (params.seed + choice) % 2**63
+    return one
 
 
 def _prompt_text(prompt: Prompt) -> str | None:

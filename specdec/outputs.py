@@ -46,12 +46,14 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs is set; in a stream, only the first delta carries them
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     prompt: str | None = None  # the prompt's text where it was given as text (LLM.generate)
+    # LLM.generate with SamplingParams.n > 1: completions 2..n of the prompt (this is the first)
+    more_completions: list[RequestOutput] = field(default_factory=list)
 
     @property
     def outputs(self) -> list[RequestOutput]:
-        """vLLM's shape, for code written against it: a request's completions, here always one,
-        this output itself, so ``out.outputs[0].text`` reads as ``out.text`` does."""
-        return [self]
+        """vLLM's shape, for code written against it: the prompt's completions, this output
+        first (so ``out.outputs[0].text`` is ``out.text``), then ``more_completions``."""
+        return [self, *self.more_completions]
 
     @property
     def cumulative_logprob(self) -> float | None:

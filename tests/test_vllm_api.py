@@ -69,6 +69,26 @@ def test_outputs_read_as_vllm_outputs(make_llm):
     assert sum((d.token_ids for d in streamed), []) == text.token_ids
 
 
+def test_n_completions_per_prompt(make_llm):
+    llm = make_llm()
+    seeded = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=40, n=3)
+    first, second = llm.generate([[1, 2, 3], "hi"], seeded, use_tqdm=True)
+    assert len(first.outputs) == len(second.outputs) == 3 and second.outputs[2].prompt == "hi"
+    alone = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    for i, completion in enumerate(first.outputs):  # completion i is the request seeded seed + i
+        alone.seed = 40 + i
+        assert completion.token_ids == llm.generate([[1, 2, 3]], alone)[0].token_ids
+    assert len({tuple(c.token_ids) for c in first.outputs}) == 3
+    unseeded = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=12, ignore_eos=True, n=2))[0]
+    assert unseeded.outputs[0].token_ids != unseeded.outputs[1].token_ids  # seeds of their own
+    greedy = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8, n=2))[0]
+    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
+    with pytest.raises(ValueError, match="n must be a positive integer"):
+        SamplingParams(n=0)
+    with pytest.raises(ValueError, match="stream gives one completion"):
+        next(llm.stream("hi", SamplingParams(n=2)))
+
+
 def test_the_engine_seed_repeats_unseeded_sampling():
     def sample(seed):
         llm = LLM(tiny_model("llama", 0), tokenizer=byte_tokenizer(), seed=seed)
