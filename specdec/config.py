@@ -106,6 +106,14 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        # vLLM's defaults for these are None
+        self.stop = [] if self.stop is None else self.stop
+        self.stop_token_ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        _check(
+            isinstance(self.stop, list | tuple) and isinstance(self.stop_token_ids, list | tuple),
+            f"stop and stop_token_ids must be lists, got {self.stop!r} and {self.stop_token_ids!r}",
+        )
+        self.stop, self.stop_token_ids = list(self.stop), list(self.stop_token_ids)
         if self.structured_outputs is not None:
             flat = [n for n in ("choice", "regex", "json_schema") if getattr(self, n) is not None]
             _check(not flat, f"give structured_outputs or {flat[0] if flat else ''}, not both")
@@ -128,12 +136,23 @@ class SamplingParams:
         _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
         if self.temperature < MIN_SAMPLING_TEMPERATURE:
             self.temperature = 0.0
-        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(
+            _is_number(self.top_p) and 0 < self.top_p <= 1,
+            f"top_p must be a number in (0, 1], got {self.top_p!r}",
+        )
         _check(
             isinstance(self.top_k, int) and self.top_k >= -1,
             f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}",
         )
-        _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
+        _check(
+            _is_number(self.min_p) and 0 <= self.min_p <= 1,
+            f"min_p must be a number in [0, 1], got {self.min_p!r}",
+        )
+        for name in ("ignore_eos", "return_logits"):
+            _check(
+                isinstance(getattr(self, name), bool),
+                f"{name} must be true or false, got {getattr(self, name)!r}",
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(
@@ -323,3 +342,8 @@ def resolve_device(name: str | torch.device) -> torch.device:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+def _is_number(value: object) -> bool:
+    """A real number (an int or float, not a bool), NaN excluded."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == value

@@ -14,13 +14,17 @@ from specdec.config import MIN_SAMPLING_TEMPERATURE
         ({"temperature": float("inf")}, "temperature must be a finite number"),
         ({"temperature": float("nan")}, "temperature must be a finite number"),
         ({"temperature": "hot"}, "temperature must be a finite number"),
-        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
-        ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+        ({"top_p": 0.0}, r"top_p must be a number in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p must be a number in \(0, 1\]"),
+        ({"top_p": None}, r"top_p must be a number in \(0, 1\], got None"),
         ({"top_k": -2}, "top_k must be"),
-        ({"min_p": 1.5}, r"min_p must be in \[0, 1\]"),
+        ({"min_p": 1.5}, r"min_p must be a number in \[0, 1\]"),
+        ({"min_p": "0.1"}, r"min_p must be a number in \[0, 1\], got '0.1'"),
         ({"seed": "x"}, "seed must be an integer"),
         ({"stop": [""]}, "stop must be non-empty strings"),
         ({"stop_token_ids": [-1]}, "stop_token_ids must be non-negative"),
+        ({"stop_token_ids": 5}, "stop and stop_token_ids must be lists"),
+        ({"ignore_eos": "yes"}, "ignore_eos must be true or false"),
     ],
 )
 def test_sampling_params_rejects_bad_values(kwargs, message):
@@ -38,6 +42,9 @@ def test_temperatures_below_the_floor_decode_greedily(temperature):
 def test_sampling_params_defaults_and_single_stop_string():
     params = SamplingParams(stop="\n")
     assert params.stop == ["\n"]
+    vllm_defaults = SamplingParams(stop=None, stop_token_ids=None)  # vLLM's defaults are None
+    assert vllm_defaults.stop == [] and vllm_defaults.stop_token_ids == []
+    assert SamplingParams(stop=("a", "b"), stop_token_ids=(3,)).stop == ["a", "b"]
     assert params.max_tokens == 16 and not params.is_greedy
     assert SamplingParams(temperature=0).is_greedy
 
