@@ -55,6 +55,8 @@ class GenerationFields(GuidedFields):
     stop: list[str] | None = None  # stop strings (a string or a list); excluded from the text
     stop_token_ids: list[int] | None = None  # extra; token ids that end a choice
     ignore_eos: bool | None = None  # extra; keep generating past the end-of-sequence token
+    skip_special_tokens: bool | None = None  # extra; None: true (special tokens left out)
+    include_stop_str_in_output: bool | None = None  # extra; None: false (text ends before it)
     min_tokens: int | None = Field(None, ge=0, lt=2**31)  # extra; tokens before a stop id may end
     n: int | None = Field(None, ge=1, le=MAX_N)  # choices per prompt; None: 1
     stream: bool | None = None  # send server-sent events as tokens are produced
@@ -145,6 +147,8 @@ class GenerationFields(GuidedFields):
             stop=list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=bool(self.ignore_eos),
+            skip_special_tokens=self.skip_special_tokens is not False,
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
             min_tokens=self.min_tokens or 0,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,

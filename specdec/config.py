@@ -102,6 +102,8 @@ class SamplingParams:
     # completions per prompt in LLM.generate (vLLM's n); completion i of a seeded request uses
     # seed + i, as the server's choices do
     n: int = 1
+    skip_special_tokens: bool = True  # leave special tokens (end of turn, EOS) out of the text
+    include_stop_str_in_output: bool = False  # end the text after the stop string, not before
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -148,7 +150,12 @@ class SamplingParams:
             _is_number(self.min_p) and 0 <= self.min_p <= 1,
             f"min_p must be a number in [0, 1], got {self.min_p!r}",
         )
-        for name in ("ignore_eos", "return_logits"):
+        for name in (
+            "ignore_eos",
+            "return_logits",
+            "skip_special_tokens",
+            "include_stop_str_in_output",
+        ):
             _check(
                 isinstance(getattr(self, name), bool),
                 f"{name} must be true or false, got {getattr(self, name)!r}",

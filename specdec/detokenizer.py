@@ -11,7 +11,9 @@ it only ever grows, so a tokenizer that tidies spaces across tokens may keep a s
 whole decode would drop.
 
 A stop string ends the request: the tokens up to the one that completed it are kept, the text
-stops just before it. Stop strings are looked for in the text a step added (and the longest stop
+stops just before it (or just after it, with ``include_stop_str_in_output``). An end-of-sequence
+token or one of ``stop_token_ids`` that ends it stays in the tokens and, as in vLLM, out of the
+text unless ``include_stop_str_in_output``. Stop strings are looked for in the text a step added (and the longest stop
 string's length before it). A stop string also wins when the step that completed it ended the
 request by length or an end-of-sequence token: the request ends as if its tokens had arrived one
 at a time, with ``finish_reason`` "stop". While a request runs, a delta holds back text that
@@ -28,8 +30,8 @@ class Detokenizer:
     def __init__(self, tokenizer):  # noqa: ANN001 - a transformers tokenizer
         self.tokenizer = tokenizer
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def step(self, seq: Sequence, scheduler: Scheduler) -> str:
         """Update ``seq.output_text``, finishing ``seq`` on a stop string; return the new text."""
@@ -46,9 +48,11 @@ class Detokenizer:
     def _text(self, seq: Sequence) -> str:
         """The whole output's text, decoding only the tokens since the last complete character
         (the context tokens before them decode twice, once to be subtracted)."""
-        ids = seq.output_token_ids
-        context = self.decode(ids[seq.prefix_offset : seq.read_offset])
-        window = self.decode(ids[seq.prefix_offset :])
+        ids, skip = seq.output_token_ids, seq.params.skip_special_tokens
+        if ended_by_stop_token(seq) and not seq.params.include_stop_str_in_output:
+            ids = ids[:-1]  # as vLLM, the text leaves out the token that ended it
+        context = self.decode(ids[seq.prefix_offset : seq.read_offset], skip)
+        window = self.decode(ids[seq.prefix_offset :], skip)
         new = window[len(context) :]
         text = seq.decoded_text + new
         if new and not new.endswith("\ufffd"):  # complete characters: settle them
@@ -59,17 +63,35 @@ class Detokenizer:
     def _cut_at_stop(self, seq: Sequence, text: str, scheduler: Scheduler) -> str:
         longest = max(len(s) for s in seq.params.stop)
         start = max(0, len(seq.output_text) - longest)
-        hits = [i for i in (text.find(s, start) for s in seq.params.stop) if i >= 0]
+        hits = [(i, -len(s)) for s in seq.params.stop if (i := text.find(s, start)) >= 0]
         if not hits:
             return text
-        cut = min(hits)
-        # Keep the fewest output tokens whose text already reaches past the stop string's start.
-        num_tokens = seq.num_output_tokens
-        while num_tokens > 1 and len(self.decode(seq.output_token_ids[: num_tokens - 1])) > cut:
+        at, minus_length = min(hits)  # the first to start; of those, the longest
+        # Keep the fewest output tokens whose text reaches past the stop string's start (or
+        # holds all of it, when it stays in the text).
+        include = seq.params.include_stop_str_in_output
+        cut = at - minus_length if include else at
+        reach = cut if include else cut + 1
+        num_tokens, ids, skip = (
+            seq.num_output_tokens,
+            seq.output_token_ids,
+            seq.params.skip_special_tokens,
+        )
+        while num_tokens > 1 and len(self.decode(ids[: num_tokens - 1], skip)) >= reach:
             num_tokens -= 1
         scheduler.finish(seq, "stop", num_output_tokens=num_tokens)
         seq.finish_reason = "stop"  # also when this step's last token ended it by length or EOS
         return text[:cut]
+
+
+def ended_by_stop_token(seq: Sequence) -> bool:
+    """Whether ``seq`` has just ended on an end-of-sequence token or one of its stop_token_ids."""
+    if not (seq.is_finished and seq.finish_reason == "stop" and seq.num_output_tokens):
+        return False
+    last = seq.token_ids[-1]
+    return last in seq.params.stop_token_ids or (
+        last in seq.eos_token_ids and not seq.params.ignore_eos
+    )
 
 
 def held_back(text: str, stops: list[str]) -> int:

@@ -89,6 +89,40 @@ def test_n_completions_per_prompt(make_llm):
         next(llm.stream("hi", SamplingParams(n=2)))
 
 
+def test_special_tokens_and_stops_in_the_text(make_llm):
+    llm = make_llm()
+    bos = llm.tokenizer.bos_token_id  # a special token, forced by a bias
+    forced = dict(temperature=0, max_tokens=3, ignore_eos=True, logit_bias={bos: 100})
+    assert llm.generate("hi", SamplingParams(**forced))[0].text == ""
+    kept = llm.generate("hi", SamplingParams(**forced, skip_special_tokens=False))[0]
+    assert kept.token_ids == [bos] * 3 and kept.text == "<s>" * 3
+
+    free = llm.generate("hello", GREEDY)[0]
+    stop_at = free.token_ids[5]
+    for include in (False, True):  # vLLM's rule: the stop token's text is left out, or kept
+        params = SamplingParams(
+            temperature=0,
+            max_tokens=24,
+            stop_token_ids=[stop_at],
+            include_stop_str_in_output=include,
+        )
+        out = llm.generate("hello", params)[0]
+        assert out.token_ids[-1] == stop_at and out.finish_reason == "stop"
+        assert out.text == llm.tokenizer.decode(out.token_ids if include else out.token_ids[:-1])
+        streamed = "".join(d.text for d in llm.stream("hello", params))
+        assert streamed == out.text
+
+    stop = free.text[6:9]
+    params = SamplingParams(
+        temperature=0, max_tokens=24, stop=[stop], include_stop_str_in_output=True
+    )
+    out = llm.generate("hello", params)[0]
+    assert out.text == free.text[: free.text.index(stop) + len(stop)]
+    assert llm.tokenizer.decode(out.token_ids).endswith(stop)  # the fewest tokens holding it
+    assert not llm.tokenizer.decode(out.token_ids[:-1]).endswith(stop)
+    assert "".join(d.text for d in llm.stream("hello", params)) == out.text
+
+
 def test_the_engine_seed_repeats_unseeded_sampling():
     def sample(seed):
         llm = LLM(tiny_model("llama", 0), tokenizer=byte_tokenizer(), seed=seed)

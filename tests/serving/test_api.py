@@ -138,6 +138,15 @@ def test_token_id_prompts_stop_strings_and_extra_fields(served, offline):
     )
     assert cut.choices[0].text == full.text[: full.text.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
+    kept = client.completions.create(
+        model=MODEL,
+        prompt="hello",
+        max_tokens=24,
+        temperature=0,
+        stop=stop,
+        extra_body={"include_stop_str_in_output": True, "skip_special_tokens": False},
+    )
+    assert kept.choices[0].text == full.text[: full.text.index(stop) + len(stop)]
 
 
 @pytest.mark.parametrize("stream", [False, True])
