@@ -40,7 +40,12 @@ def model_options(fn: Any) -> Any:
         "are vector code, AVX-512 or AVX2).",
     )(fn)
     fn = click.option(
-        "--dtype", default="float32", type=click.Choice(["float32", "bfloat16"]), show_default=True
+        "--dtype",
+        default="float32",
+        type=click.Choice(["float32", "bfloat16", "auto"]),
+        show_default=True,
+        help="Activations and unquantized weights; auto: the model's own (float16 runs as "
+        "bfloat16; a GGUF file as float32).",
     )(fn)
     return click.option(
         "--model",

@@ -53,8 +53,8 @@ class LLM:
     """A target model on the specdec engine.
 
     ``model`` is ``None`` (the embedded SmolLM2-135M-Instruct), a local Hugging Face directory, a
-    GGUF file, or an in-memory ``transformers`` model. ``dtype`` is the activations' dtype and
-    that of every unquantized weight; ``quantization`` (``"int8"``, ``"int4"``, ``"w8a8"``,
+    GGUF file, or an in-memory ``transformers`` model. ``dtype`` (``"float32"``, ``"bfloat16"``
+    or ``"auto"``, the model's own) is the activations' dtype and that of every unquantized weight; ``quantization`` (``"int8"``, ``"int4"``, ``"w8a8"``,
     ``"w4a8"`` or ``None``) runs the linears on quantized weights, weight-only or (``w*a8``) with
     int8 activations too (see :mod:`specdec.models.quant`; a GGUF file's Q4_1 and Q8_0 tensors
     are used as they are). Engine options are the fields of
@@ -80,7 +80,7 @@ class LLM:
                 raise ValueError("give speculative or vLLM's speculative_config, not both")
             speculative = SpecConfig.from_vllm(speculative_config)
         config = engine_config(engine_options)
-        resolved = resolve_dtype(dtype)
+        resolved = resolve_dtype(dtype, model)
         quantization = check_quantization(quantization)
         checkpoint = load_checkpoint(model, tokenizer, resolved)
         model_impl = LlamaForCausalLM.from_hf(

@@ -18,6 +18,7 @@ Tied embeddings: when ``config.tie_word_embeddings`` is set the state dict has n
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -26,6 +27,7 @@ import pathlib
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import safetensors.torch
@@ -99,13 +101,18 @@ def load_checkpoint(
     ``tokenizer`` overrides the tokenizer found beside the weights; it is required for an
     in-memory model whose ``name_or_path`` is not a local directory with tokenizer files.
     """
-    dtype = resolve_dtype(dtype)
+    dtype = resolve_dtype(dtype, model)
     if model is None:
         checkpoint = _load_directory(default_model_dir(), tokenizer, dtype, DEFAULT_MODEL_NAME)
         checkpoint.gguf_path = _default_gguf_path()
         return checkpoint
     if isinstance(model, transformers.PreTrainedModel):
         return _load_model_object(model, tokenizer, dtype)
+    if not isinstance(model, str | os.PathLike):
+        raise TypeError(
+            "model must be None (the default model), a path or a transformers model, not "
+            f"{type(model).__name__}"
+        )
     path = _local_path(model)
     if path.is_file():
         return _load_gguf_file(path, tokenizer, dtype)
@@ -142,14 +149,37 @@ def prequantized_weights(checkpoint: LoadedCheckpoint) -> dict[str, QuantWeight]
     return read_quantized_cached(checkpoint.gguf_path, heads, kv_heads, cache_dir() / "quantized")
 
 
-def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """The torch dtype for ``dtype`` ("float32"/"fp32"/"bfloat16"/"bf16" or a torch dtype)."""
+def resolve_dtype(dtype: torch.dtype | str, model: ModelRef = None) -> torch.dtype:
+    """The torch dtype for ``dtype`` ("float32"/"fp32"/"bfloat16"/"bf16" or a torch dtype).
+
+    ``"auto"`` (vLLM's default) takes ``model``'s own: an in-memory model's dtype, or a model
+    directory's ``torch_dtype``; float16 becomes bfloat16 (the CPU kernels have no float16
+    path), and a GGUF file, the default model or a directory that names none gets float32.
+    """
     allowed = (torch.float32, torch.bfloat16)
+    if dtype == "auto":
+        own = _own_dtype(model)
+        return torch.bfloat16 if own in (torch.bfloat16, torch.float16) else torch.float32
     if isinstance(dtype, torch.dtype) and dtype in allowed:
         return dtype
     if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in _DTYPES:
         return _DTYPES[dtype.lower().removeprefix("torch.")]
-    raise ValueError(f"unsupported dtype {dtype!r}: use one of {', '.join(_DTYPES)}")
+    raise ValueError(f"unsupported dtype {dtype!r}: use one of {', '.join(_DTYPES)} or auto")
+
+
+def _own_dtype(model: ModelRef) -> torch.dtype | None:
+    """The dtype ``model`` was saved in, where it says (see :func:`resolve_dtype`)."""
+    if isinstance(model, transformers.PreTrainedModel):
+        return model.dtype
+    if model is None or not isinstance(model, str | os.PathLike):
+        return None
+    config = pathlib.Path(model) / "config.json"
+    if not config.is_file():
+        return None
+    with open(config, encoding="utf-8") as f:
+        named = json.load(f)
+    name = named.get("torch_dtype") or named.get("dtype")
+    return getattr(torch, name, None) if isinstance(name, str) else None
 
 
 def cache_dir() -> pathlib.Path:
@@ -203,6 +233,17 @@ def _convert_gguf(gguf_path: pathlib.Path, target: pathlib.Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _unreadable_gguf(path: pathlib.Path) -> Iterator[None]:
+    """Turn the reader's own errors on a damaged or foreign file into a ValueError naming it."""
+    try:
+        yield
+    except Exception as exc:  # gguf-py raises struct errors, KeyErrors, ... on bad bytes
+        raise ValueError(
+            f"{path} could not be read as a GGUF model ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
 def _read_gguf(
     gguf_path: pathlib.Path,
 ) -> tuple[
@@ -217,11 +258,15 @@ def _read_gguf(
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     folder, name = gguf_path.parent, gguf_path.name
-    config = transformers.AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    with _unreadable_gguf(gguf_path):
+        config = transformers.AutoConfig.from_pretrained(
+            folder, gguf_file=name, local_files_only=True
+        )
     config.architectures = [check_architecture(config)]
     with torch.device("meta"):
         skeleton = transformers.AutoModelForCausalLM.from_config(config)
-    parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)
+    with _unreadable_gguf(gguf_path):
+        parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)
     tokenizer = transformers.AutoTokenizer.from_pretrained(
         folder, gguf_file=name, local_files_only=True
     )

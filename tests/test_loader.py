@@ -334,6 +334,17 @@ def test_file_that_is_not_gguf(tmp_path: pathlib.Path) -> None:
         load_checkpoint(tmp_path / "weights.bin")
 
 
+def test_a_model_of_another_type() -> None:
+    with pytest.raises(TypeError, match="a path or a transformers model, not int"):
+        load_checkpoint(123)  # type: ignore[arg-type]
+
+
+def test_damaged_gguf_file(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "model.gguf").write_bytes(b"GGUF\x03\x00\x00\x00junk")  # a header, then junk
+    with pytest.raises(ValueError, match="model.gguf could not be read as a GGUF model"):
+        load_checkpoint(tmp_path / "model.gguf")
+
+
 def test_unsupported_architecture(tmp_path: pathlib.Path) -> None:
     config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128)
     transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
@@ -357,6 +368,20 @@ def test_unsupported_in_memory_model() -> None:
 def test_resolve_dtype(name: str, dtype: torch.dtype) -> None:
     assert resolve_dtype(name) is dtype
     assert resolve_dtype(dtype) is dtype
+
+
+@pytest.mark.parametrize(
+    ("saved", "auto"),
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.bfloat16)],
+)  # fmt: skip
+def test_auto_dtype_is_the_model_own(
+    tmp_path: pathlib.Path, saved: torch.dtype, auto: torch.dtype
+) -> None:
+    model = save_tiny(tmp_path).to(saved)
+    model.save_pretrained(tmp_path)  # config.json names the dtype it was saved in
+    assert resolve_dtype("auto", model) is auto and resolve_dtype("auto", tmp_path) is auto
+    assert load_checkpoint(tmp_path, dtype="auto").state_dict["model.norm.weight"].dtype is auto
+    assert resolve_dtype("auto") is torch.float32  # the default model: its GGUF names none
 
 
 @pytest.mark.parametrize("bad", ["float16", "int8", torch.float16, "fp64"])
