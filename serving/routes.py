@@ -67,6 +67,14 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
+@router.get("/version")
+async def version() -> JSONResponse:
+    """specdec's version (vLLM's ``/version``)."""
+    from specdec import __version__
+
+    return JSONResponse({"version": __version__})
+
+
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     return Response(server_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -13,11 +13,11 @@ whole decode would drop.
 A stop string ends the request: the tokens up to the one that completed it are kept, the text
 stops just before it (or just after it, with ``include_stop_str_in_output``). An end-of-sequence
 token or one of ``stop_token_ids`` that ends it stays in the tokens and, as in vLLM, out of the
-text unless ``include_stop_str_in_output``. Stop strings are looked for in the text a step added (and the longest stop
-string's length before it). A stop string also wins when the step that completed it ended the
-request by length or an end-of-sequence token: the request ends as if its tokens had arrived one
-at a time, with ``finish_reason`` "stop". While a request runs, a delta holds back text that
-might still become a stop string, and an incomplete UTF-8 character.
+text unless ``include_stop_str_in_output``. Stop strings are looked for in the text a step added
+(and the longest stop string's length before it). A stop string also wins when the step that
+completed it ended the request by length or an end-of-sequence token: the request ends as if its
+tokens had arrived one at a time, with ``finish_reason`` "stop". While a request runs, a delta
+holds back text that might still become a stop string, and an incomplete UTF-8 character.
 """
 
 from __future__ import annotations

@@ -54,11 +54,13 @@ class LLM:
 
     ``model`` is ``None`` (the embedded SmolLM2-135M-Instruct), a local Hugging Face directory, a
     GGUF file, or an in-memory ``transformers`` model. ``dtype`` (``"float32"``, ``"bfloat16"``
-    or ``"auto"``, the model's own) is the activations' dtype and that of every unquantized weight; ``quantization`` (``"int8"``, ``"int4"``, ``"w8a8"``,
-    ``"w4a8"`` or ``None``) runs the linears on quantized weights, weight-only or (``w*a8``) with
-    int8 activations too (see :mod:`specdec.models.quant`; a GGUF file's Q4_1 and Q8_0 tensors
-    are used as they are). Engine options are the fields of
-    :class:`~specdec.config.EngineConfig` (``max_num_seqs``, ``num_kv_blocks``, ...).
+    or ``"auto"``, the model's own) is the activations' dtype and that of every unquantized
+    weight; ``quantization`` (``"int8"``, ``"int4"``, ``"w8a8"``, ``"w4a8"`` or ``None``) runs
+    the linears on quantized weights, weight-only or (``w*a8``) with int8 activations too (see
+    :mod:`specdec.models.quant`; a GGUF file's Q4_1 and Q8_0 tensors are used as they are).
+    Engine options are the fields of :class:`~specdec.config.EngineConfig` (``max_num_seqs``,
+    ``num_kv_blocks``, ``seed``, ...); ``speculative_config`` takes vLLM's dictionary instead of
+    ``speculative`` (see :meth:`SpecConfig.from_vllm`).
 
     >>> llm = LLM()
     >>> llm.generate(["The capital of France is"], SamplingParams(temperature=0))[0].text
@@ -339,7 +341,7 @@ def _dict_prompt(prompt: dict[str, Any]) -> str | list[int]:
         return _token_ids(prompt["prompt_token_ids"])
     raise TypeError(
         'a prompt dictionary takes one key, "prompt" (text) or "prompt_token_ids" (token ids); '
-        f"got keys {sorted(keys)}"
+        f"got keys {', '.join(sorted(map(repr, keys)))}"
     )
 
 

@@ -9,8 +9,9 @@ Terms (vLLM's):
         ``num_computed_tokens`` (their KV slots are simply overwritten later).
     block_table: the KV block ids holding this sequence's tokens, in order.
     seed: the request's noise seed: ``SamplingParams.seed``, or one drawn from torch's global RNG
-        (or the engine's own generator, with ``EngineConfig.seed``) when the sequence is created (so ``torch.manual_seed`` makes unseeded runs reproducible and
-        unseeded requests stay independent). Each sampled token's noise is keyed by the seed and
+        (the engine's own generator, with ``EngineConfig.seed``) when the sequence is created (so
+        ``torch.manual_seed`` makes unseeded runs reproducible and unseeded requests stay
+        independent). Each sampled token's noise is keyed by the seed and
         the token's position (:func:`specdec.sampling.exponential_noise`); greedy rows ignore it.
 """
 

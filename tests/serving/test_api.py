@@ -8,6 +8,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import specdec
 from specdec import LLM, SamplingParams
 from tests.tiny import byte_tokenizer, tiny_model
 
@@ -200,6 +201,7 @@ def test_models_and_health(served):
     assert [m.id for m in models.data] == [MODEL]
     assert models.data[0].max_model_len == served.llm.engine.max_model_len  # type: ignore[attr-defined]
     assert httpx.get(served.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(served.url + "/version").json() == {"version": specdec.__version__}
 
 
 def test_metrics_parse_and_count(served):

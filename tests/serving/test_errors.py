@@ -168,6 +168,7 @@ def test_api_key_is_required_on_v1_routes(make_server):
         openai.OpenAI(base_url=f"{served.url}/v1", api_key="nope", max_retries=0).models.list()
     assert served.client().models.list().data[0].id == MODEL
     assert httpx.get(served.url + "/health").status_code == 200  # probes need no key
+    assert httpx.get(served.url + "/version").status_code == 200
     for path in ("/tokenize", "/detokenize"):  # the server's tokenizer is behind the key too
         assert served.post(path, json={"prompt": "x", "tokens": [1]}).status_code == 401
     for header in ("bearer s3cret", "BEARER s3cret", "Bearer  s3cret"):  # RFC 7235: any case
