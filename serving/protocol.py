@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from specdec.config import MAX_LOGPROBS, SamplingParams
+from specdec.config import MAX_LOGPROBS, SamplingParams, choice_seed
 from specdec.llm import CHAT_TEMPLATE_ARGUMENTS, ChatOptions
 from specdec.serving.guided import GuidedFields, guides_given
 from specdec.serving.strict import StrictModel
@@ -136,7 +136,7 @@ class GenerationFields(GuidedFields):
 
         Raises ``ValueError`` naming the field when the engine refuses a value.
         """
-        seed = self.seed if self.seed is None or choice == 0 else (self.seed + choice) % _INT64
+        seed = choice_seed(self.seed, choice)
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,

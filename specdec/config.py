@@ -351,6 +351,12 @@ def _check(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    """The seed of completion ``choice`` of a request seeded ``seed`` (vLLM's ``n``): seed +
+    choice, in int64's range; unseeded completions draw seeds of their own."""
+    return seed if seed is None or choice == 0 else (seed + choice) % 2**63
+
+
 def _is_number(value: object) -> bool:
     """A real number (an int or float, not a bool), NaN excluded."""
     return isinstance(value, int | float) and not isinstance(value, bool) and value == value

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from specdec.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
-from specdec.config import EngineConfig, SamplingParams, resolve_device
+from specdec.config import EngineConfig, SamplingParams, choice_seed, resolve_device
 from specdec.drafters.registry import SpecConfig
 from specdec.engine import Engine
 from specdec.loader import (
@@ -152,7 +152,9 @@ class LLM:
         try:  # on any error (a bad prompt, Ctrl-C), abort what was queued: nothing is left behind
             for prompt, sp in zip(prompt_list, param_list, strict=True):
                 ids.append([])
-                text, token_ids = _prompt_text(prompt), self.encode(prompt)
+                if isinstance(prompt, dict):
+                    prompt = _dict_prompt(prompt)
+                text, token_ids = prompt if isinstance(prompt, str) else None, self.encode(prompt)
                 for choice in range(sp.n):
                     ids[-1].append(self.engine.add_request(token_ids, _completion(sp, choice)))
                     results[ids[-1][-1]] = RequestOutput(ids[-1][-1], token_ids, prompt=text)
@@ -314,22 +316,13 @@ def _is_single(prompts: Any) -> bool:
 
 
 def _completion(params: SamplingParams, choice: int) -> SamplingParams:
-    """The parameters of completion ``choice`` of ``params.n``: seed + choice if seeded (as
-    the server's choices), else a seed of its own. A copy, so that validation does not rerun."""
+    """The parameters of completion ``choice`` of ``params.n`` (see ``choice_seed``); a copy,
+    so that validation does not rerun."""
     if params.n == 1:
         return params
     one = copy.copy(params)
-    one.n = 1
-    if params.seed is not None and choice:
-        one.seed = (params.seed + choice) % 2**63
+    one.n, one.seed = 1, choice_seed(params.seed, choice)
     return one
-
-
-def _prompt_text(prompt: Prompt) -> str | None:
-    """The text of a prompt given as text (vLLM's ``RequestOutput.prompt``); None for ids."""
-    if isinstance(prompt, dict):
-        prompt = _dict_prompt(prompt)
-    return prompt if isinstance(prompt, str) else None
 
 
 def _dict_prompt(prompt: dict[str, Any]) -> str | list[int]:
