@@ -82,8 +82,10 @@ class Generation:
         """Admit and add the sequences; raise ``APIError`` if they are refused."""
         await self.state.gate.acquire(len(self.requests))
         self._admitted = True
+        sent = False
         try:
             await self._compile_guides()
+            sent = True
             ids = await self.state.engine.add(self.requests, self._outputs)
         except ValueError as e:  # the engine's checks: the prompt, or ids of the vocabulary
             self.close()
@@ -94,7 +96,9 @@ class Generation:
         except EngineDeadError as e:
             self.close()
             raise APIError(503, str(e), type="server_error", code="engine_unavailable") from e
-        except BaseException:
+        except BaseException:  # cancelled: the client left; the bridge aborts what it adds
+            if sent:
+                self.state.metrics.finished.labels("abort").inc(len(self.requests))
             self.close()
             raise
         self._index = {request_id: i for i, request_id in enumerate(ids)}
