@@ -77,8 +77,13 @@ def test_the_scalar_and_the_vector_code_agree() -> None:
 
 
 @needs_kernels
+@pytest.mark.skipif(
+    " avx512f" not in cpu_ops.cpu_flags(),
+    reason="this CPU has no AVX-512: the build every test here runs is the portable one",
+)
 def test_the_build_without_avx512_draws_the_same_noise() -> None:
-    """What a CPU without AVX-512 computes (the build test_cpu_ops checks too, shared by cache)."""
+    """What a CPU without AVX-512 computes (the build test_cpu_ops checks too, shared by cache).
+    Compiling it takes minutes, so it is built only where it differs from the native one."""
     portable = cpu_ops._build(("-mno-avx512f",), "specdec_cpu_ops_portable")
     k = keys(10, seed=2)
     assert torch.equal(portable.exponential_noise(k, 1000), ext().exponential_noise(k, 1000))
