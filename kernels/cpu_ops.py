@@ -246,6 +246,17 @@ def _build(extra_flags: tuple[str, ...] = (), name: str = "specdec_cpu_ops") -> 
     key = hashlib.sha256("\n".join(identity).encode()).hexdigest()[:16]
     build_dir = cache_dir() / "extensions" / f"cpu_ops-{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
+    # Compile copies kept beside the build: ninja records each source's path, so two installs
+    # of the same code (two virtual environments, a clone) would otherwise rebuild each time
+    # the other had built. A copy is written only when missing, so its time never changes.
+    sources = build_dir / "src"
+    sources.mkdir(exist_ok=True)
+    for path, text in zip((*SOURCES, HEADER), texts, strict=True):
+        copy = sources / path.name
+        if not copy.exists() or copy.read_text() != text:
+            tmp = copy.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(text)
+            tmp.replace(copy)  # atomic: a build started beside this one sees the whole file
     if not any(build_dir.glob(f"{name}*.so")):  # say so: the first generate would seem to hang
         print(
             f"specdec: compiling the CPU kernels once for this machine (about a minute) "
@@ -255,7 +266,7 @@ def _build(extra_flags: tuple[str, ...] = (), name: str = "specdec_cpu_ops") -> 
         )
     return cpp_extension.load(
         name=name,
-        sources=[str(p) for p in SOURCES],
+        sources=[str(sources / p.name) for p in SOURCES],
         extra_cflags=flags,
         extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir),

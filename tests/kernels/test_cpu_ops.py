@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 
 import pytest
 import torch
@@ -333,3 +334,26 @@ def test_cached_attention_rejects_bad_indices() -> None:
     with pytest.raises(RuntimeError, match="outside the cache"):
         k = torch.randn(1, 2, 16)
         ext().write_kv_(k, k, cache, cache.clone(), torch.tensor([32]))
+
+
+def test_builds_compile_copies_so_two_installs_share_one_build(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    """ninja records each source's path: compiling the package's own files would make two
+    installs of the same code (two environments, a clone) rebuild after each other. The build
+    compiles copies kept in its own directory, written once, so their times never change."""
+    from torch.utils import cpp_extension
+
+    calls: list[dict] = []
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: calls.append(kwargs))
+    cpu_ops._build(name="specdec_cpu_ops_probe")
+    first = {p: os.stat(p).st_mtime_ns for p in calls[0]["sources"]}
+    cpu_ops._build(name="specdec_cpu_ops_probe")
+    assert calls[1]["sources"] == calls[0]["sources"]
+    assert {p: os.stat(p).st_mtime_ns for p in calls[1]["sources"]} == first
+    for copy, source in zip(calls[0]["sources"], cpu_ops.SOURCES, strict=True):
+        assert copy.startswith(calls[0]["build_directory"])
+        assert pathlib.Path(copy).read_text() == source.read_text()
+    header = pathlib.Path(calls[0]["build_directory"]) / "src" / "cpu_simd.h"
+    assert header.read_text() == cpu_ops.HEADER.read_text()
