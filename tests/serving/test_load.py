@@ -97,6 +97,32 @@ def test_clients_that_time_out_on_a_full_response_have_their_requests_aborted(se
     served.wait_until_idle()
 
 
+def test_a_client_that_leaves_while_its_request_is_added_has_it_counted_as_aborted(make_server):
+    """The engine thread answers the add late, so the client is gone before the request is on
+    the engine: the bridge aborts it once added, and the counter must see that abort too."""
+    served = make_server()
+    engine, added = served.llm.engine, []
+    add_request = engine.add_request
+
+    def slow_add_request(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        time.sleep(0.3)
+        added.append(add_request(*args, **kwargs))
+        return added[-1]
+
+    engine.add_request = slow_add_request  # type: ignore[method-assign]
+    body = {"model": MODEL, "prompt": "late", "max_tokens": 300, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(served.url + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.1))
+    deadline = time.monotonic() + 10
+    while not added:  # the engine thread is still adding it
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    served.wait_until_idle()  # aborted on the engine: nothing runs, every block free
+    m = wait_until_metrics_idle(served.url, aborted=1)
+    assert m[ABORTED] == 1
+    assert m.get("specdec_request_finished_total{finish_reason=length}", 0) == 0
+
+
 @pytest.mark.parametrize("concurrency", [1, 8])
 def test_loadgen_reports_latency_figures(served, concurrency):
     config = LoadConfig(served.url, num_requests=16, concurrency=concurrency, stream_fraction=1.0)
