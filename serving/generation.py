@@ -90,7 +90,8 @@ class Generation:
         except ValueError as e:  # the engine's checks: the prompt, or ids of the vocabulary
             self.close()
             field = str(e).split(" ")[0]
-            param = field if field in ("stop_token_ids", "logit_bias") else self.prompt_param
+            ids_fields = ("stop_token_ids", "logit_bias", "allowed_token_ids")
+            param = field if field in ids_fields else self.prompt_param
             param = self.guide_param if field == "regex" else param
             raise APIError(400, str(e), param=param) from e
         except EngineDeadError as e:

@@ -72,6 +72,8 @@ class GenerationFields(GuidedFields):
     repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)
 
     logit_bias: dict[str, float] | None = None  # token id (a string) -> bias in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # extra; only these ids may be generated
+    bad_words: list[str] | None = None  # extra; words never generated (vLLM's rule)
     guided_grammar: Any = None
     use_beam_search: Any = None  # vLLM's; beam search runs offline only (LLM.beam_search)
 
@@ -154,6 +156,8 @@ class GenerationFields(GuidedFields):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias={int(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             logprobs=self.num_logprobs,
             prompt_logprobs=self.num_prompt_logprobs,
             **self.guide(),

@@ -104,6 +104,12 @@ class SamplingParams:
     n: int = 1
     skip_special_tokens: bool = True  # leave special tokens (end of turn, EOS) out of the text
     include_stop_str_in_output: bool = False  # end the text after the stop string, not before
+    # only these token ids may be generated (vLLM's allowed_token_ids): every other token gets a
+    # -inf logit, end-of-sequence ids included unless listed; None: any token
+    allowed_token_ids: list[int] | None = None
+    # words never generated (vLLM's bad_words): each word's tokens, spelled alone and after a
+    # space; a word's last token gets a -inf logit wherever the output ends with the ones before
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -183,6 +189,27 @@ class SamplingParams:
             ),
             "logit_bias must map non-negative token ids to numbers in [-100, 100], got "
             f"{self.logit_bias!r}",
+        )
+        _check(
+            self.allowed_token_ids is None
+            or (
+                isinstance(self.allowed_token_ids, list | tuple)
+                and len(self.allowed_token_ids) > 0
+                and all(
+                    isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                    for t in self.allowed_token_ids
+                )
+            ),
+            "allowed_token_ids must be a non-empty list of non-negative token ids, got "
+            f"{self.allowed_token_ids!r}",
+        )
+        _check(
+            self.bad_words is None
+            or (
+                isinstance(self.bad_words, list | tuple)
+                and all(isinstance(w, str) and w.strip() for w in self.bad_words)
+            ),
+            f"bad_words must be a list of non-blank strings, got {self.bad_words!r}",
         )
         _check(
             isinstance(self.repetition_penalty, (int, float))

@@ -99,6 +99,7 @@ class Engine:
         for name, ids in (
             ("stop_token_ids", params.stop_token_ids),
             ("logit_bias", params.logit_bias or {}),
+            ("allowed_token_ids", params.allowed_token_ids or []),
         ):
             if any(t >= self.vocab_size for t in ids):  # SamplingParams refused negative ones
                 raise ValueError(f"{name} token ids must lie in [0, {self.vocab_size})")
@@ -111,9 +112,21 @@ class Engine:
             seeds=self._seeds,
         )
         seq.guide = self.guides.for_params(params)
+        seq.bad_word_ids = self._bad_word_ids(params.bad_words or [])
         self.requests[seq.seq_id] = seq
         self.scheduler.add(seq)
         return seq.seq_id
+
+    def _bad_word_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's token ids as the tokenizer spells it alone and after a space (vLLM's
+        bad_words: a word mid-sentence is usually the spelling with the space), without repeats."""
+        found: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in found:
+                    found.append(ids)
+        return found
 
     def abort(self, request_id: int) -> None:
         """Stop a request now and free its KV blocks (unknown or finished ids are ignored)."""

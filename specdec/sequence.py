@@ -86,6 +86,8 @@ class Sequence:
     # specdec/structured/guide.py), and its state after each output token walked so far
     guide: Guide | None = None
     guide_states: list[Any] = field(default_factory=list)
+    # with SamplingParams.bad_words: each word's token ids, in each spelling (Engine.add_request)
+    bad_word_ids: list[list[int]] = field(default_factory=list)
     seed: int = field(init=False)  # noise seed: params.seed, else drawn at creation
     seeds: InitVar[torch.Generator | None] = None  # where an unseeded seed is drawn; None: global
 

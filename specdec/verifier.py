@@ -267,10 +267,26 @@ def is_unconstrained(seq: Sequence, j: int) -> bool:
     params = seq.params
     return (
         not params.logit_bias
+        and params.allowed_token_ids is None
+        and not seq.bad_word_ids
         and seq.num_output_tokens + j >= params.min_tokens
         and not params.has_penalties
         and seq.guide is None
     )
+
+
+def banned_word_ends(seq: Sequence, j: int) -> list[int]:
+    """The last tokens of ``seq``'s bad words whose other tokens end its output and first ``j``
+    drafts (a one-token word is always banned), as vLLM's ``bad_words`` rule."""
+    longest = max(len(ids) for ids in seq.bad_word_ids) - 1
+    start = max(seq.num_prompt_tokens, seq.num_tokens - longest)
+    tail = seq.token_ids[start:] + seq.spec_token_ids[:j]  # the output's last tokens
+    return [
+        ids[-1]
+        for ids in seq.bad_word_ids
+        if len(ids) == 1
+        or (len(tail) >= len(ids) - 1 and tail[len(tail) - len(ids) + 1 :] == ids[:-1])
+    ]
 
 
 def constrain_rows(
@@ -281,7 +297,9 @@ def constrain_rows(
     """What a request's parameters do to its raw logits before any sampling step, in place, at
     draft position ``j`` (after the first ``j`` drafts, as plain decoding would have them).
 
-    ``logit_bias`` is added first. A sequence still short of its ``min_tokens`` cannot end
+    ``logit_bias`` is added first; tokens outside ``allowed_token_ids`` and the last token of
+    a bad word whose other tokens end the output get ``-inf``. A sequence still short of its
+    ``min_tokens`` cannot end
     there: its end-of-sequence and stop token ids get ``-inf`` logits, as transformers'
     ``MinNewTokensLengthLogitsProcessor`` and vLLM's ``min_tokens`` do. Penalties follow
     (:func:`specdec.sampling.apply_penalties`), then a guide's (``choice``, ``regex``,
@@ -292,6 +310,12 @@ def constrain_rows(
             ids = torch.tensor(list(params.logit_bias), device=logits.device)
             bias = torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype)
             logits[row, ids] += bias.to(logits.device)
+        if params.allowed_token_ids is not None:
+            kept = logits[row, params.allowed_token_ids]
+            logits[row] = float("-inf")
+            logits[row, params.allowed_token_ids] = kept
+        if seq.bad_word_ids:
+            logits[row, banned_word_ends(seq, j)] = float("-inf")
         if seq.num_output_tokens + j < params.min_tokens:
             eos = () if params.ignore_eos else seq.eos_token_ids
             logits[row, [*params.stop_token_ids, *eos]] = float("-inf")

@@ -292,6 +292,15 @@ def test_logit_bias_reaches_the_engine(served):
     assert out.choices[0].text == byte_tokenizer().decode([65]) * 6
 
 
+def test_allowed_token_ids_and_bad_words_reach_the_engine(served):
+    a, b = byte_tokenizer().decode([65]), byte_tokenizer().decode([66])
+    out = served.client().completions.create(
+        model=MODEL, prompt="abc", max_tokens=6, temperature=0,
+        extra_body={"allowed_token_ids": [65, 66], "bad_words": [a]},
+    )  # fmt: skip
+    assert out.choices[0].text == b * 6
+
+
 def test_tokenize_and_detokenize_as_the_generation_routes_feed_prompts(served, offline):
     text = "Hello, tokens!"
     got = served.post("/tokenize", json={"prompt": text, "return_token_strs": True}).json()

@@ -1,0 +1,121 @@
+"""``allowed_token_ids`` and ``bad_words`` (vLLM's): what they keep out of the output, the same
+output with a drafter as without (verification row j bans with the first j drafts counted), and
+clear errors for bad values."""
+
+import pytest
+
+from specdec import SamplingParams, SpecConfig
+from specdec.drafters import DrafterBase
+from specdec.sequence import Sequence
+from specdec.verifier import banned_word_ends
+from tests.tiny import byte_tokenizer
+
+PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2], list(range(10, 40)) * 2, [7] * 13, [200]]
+LETTERS = "abcde "
+
+
+def letter_ids() -> list[int]:
+    return [byte_tokenizer().encode(c, add_special_tokens=False)[0] for c in LETTERS]
+
+
+class OracleDrafter(DrafterBase):
+    """Drafts the reference continuation: every draft is accepted, so each verification row must
+    apply the constraints with the drafts before it counted as output."""
+
+    name = "oracle"
+
+    def __init__(self, reference: dict[tuple[int, ...], list[int]]):
+        self.reference = reference
+
+    def propose(self, seqs: list[Sequence], num_drafts: list[int], step=None) -> None:  # noqa: ANN001
+        for seq, k in zip(seqs, num_drafts):
+            future = self.reference[tuple(seq.prompt_token_ids)][seq.num_output_tokens :]
+            seq.spec_token_ids = future[:k]
+
+
+def same_with_drafters(make_llm, params: list[SamplingParams]) -> list[list[int]]:  # noqa: ANN001
+    """The plain outputs, after checking that an oracle and prompt lookup give them too."""
+    plain = [o.token_ids for o in make_llm(block_size=4).generate(PROMPTS, params)]
+    reference = {tuple(p): out for p, out in zip(PROMPTS, plain)}
+    oracle = make_llm(speculative=SpecConfig(OracleDrafter(reference), 6, adaptive=False))
+    lookup = make_llm(
+        speculative={"drafter": "prompt_lookup", "num_speculative_tokens": 5, "adaptive": False},
+        block_size=4,
+    )
+    for llm in (oracle, lookup):
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == plain
+    stats = oracle.engine.verifier.stats
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+    return plain
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_allowed_token_ids_are_all_the_output_holds(make_llm, temperature):
+    allowed = letter_ids()
+    params = [
+        SamplingParams(temperature=temperature, seed=s, max_tokens=24, allowed_token_ids=allowed)
+        for s in range(len(PROMPTS))
+    ]
+    outputs = same_with_drafters(make_llm, params)
+    assert all(set(out) <= set(allowed) and len(out) == 24 for out in outputs)  # no EOS listed
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_bad_words_never_appear_and_drafts_change_nothing(make_llm, temperature):
+    def params(bad_words: list[str] | None) -> list[SamplingParams]:
+        return [
+            SamplingParams(
+                temperature=temperature,
+                seed=s,
+                max_tokens=40,
+                allowed_token_ids=letter_ids(),
+                bad_words=bad_words,
+            )
+            for s in range(len(PROMPTS))
+        ]
+
+    free = make_llm().generate(PROMPTS, params(None))
+    text = "".join(o.text for o in free)
+    bigrams = {a + b for a in LETTERS for b in LETTERS if a + b in text and " " not in a + b}
+    words = sorted(bigrams, key=text.count)[-2:] + ["e"]  # the two most frequent pairs
+    assert len(bigrams) >= 2 and "e" in text  # so each ban changes the output
+    outputs = same_with_drafters(make_llm, params(words))
+    decode = byte_tokenizer().decode
+    for out in outputs:
+        assert "e" not in decode(out)
+        assert not any(w in decode(out) for w in words[:2])
+
+
+def test_bad_word_ends_read_the_output_and_the_drafts_before_the_row():
+    seq = Sequence(0, [5, 6, 1, 2], 2, SamplingParams())  # prompt [5, 6], output [1, 2]
+    seq.bad_word_ids = [[2, 3, 4], [6, 9], [7]]
+    seq.spec_token_ids = [3, 8]
+    assert banned_word_ends(seq, 0) == [7]  # the output ends [1, 2], not [2, 3]
+    assert banned_word_ends(seq, 1) == [4, 7]  # [2] + the first draft [3]: 4 would end the word
+    assert banned_word_ends(seq, 2) == [7]
+    seq.token_ids = [5, 6]  # no output yet: the prompt's 6 does not start a bad word
+    seq.spec_token_ids = []
+    assert banned_word_ends(seq, 0) == [7]
+
+
+@pytest.mark.parametrize(
+    "field, bad",
+    [
+        ("allowed_token_ids", []),
+        ("allowed_token_ids", [3, -1]),
+        ("allowed_token_ids", [True]),
+        ("allowed_token_ids", 5),
+        ("bad_words", ["ok", "  "]),
+        ("bad_words", "word"),
+        ("bad_words", [3]),
+    ],
+)
+def test_bad_constraints_are_refused(field, bad):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: bad})
+
+
+def test_allowed_ids_outside_the_vocabulary_are_refused(make_llm):
+    llm = make_llm()
+    with pytest.raises(ValueError, match=r"allowed_token_ids token ids must lie in \[0, 300\)"):
+        llm.generate([[1, 2]], SamplingParams(allowed_token_ids=[1, 300]))
