@@ -110,6 +110,10 @@ class SamplingParams:
     # words never generated (vLLM's bad_words): each word's tokens, spelled alone and after a
     # space; a word's last token gets a -inf logit wherever the output ends with the ones before
     bad_words: list[str] | None = None
+    # transformers' generate rules (specdec.wrap passes them on), over the prompt and the output:
+    suppress_tokens: list[int] | None = None  # token ids never generated
+    bad_words_ids: list[list[int]] | None = None  # token sequences never completed
+    no_repeat_ngram_size: int = 0  # no n-gram of this many tokens occurs twice; 0 disables
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -192,14 +196,7 @@ class SamplingParams:
         )
         _check(
             self.allowed_token_ids is None
-            or (
-                isinstance(self.allowed_token_ids, list | tuple)
-                and len(self.allowed_token_ids) > 0
-                and all(
-                    isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                    for t in self.allowed_token_ids
-                )
-            ),
+            or (_token_ids(self.allowed_token_ids) and len(self.allowed_token_ids) > 0),
             "allowed_token_ids must be a non-empty list of non-negative token ids, got "
             f"{self.allowed_token_ids!r}",
         )
@@ -210,6 +207,26 @@ class SamplingParams:
                 and all(isinstance(w, str) and w.strip() for w in self.bad_words)
             ),
             f"bad_words must be a list of non-blank strings, got {self.bad_words!r}",
+        )
+        _check(
+            self.suppress_tokens is None or _token_ids(self.suppress_tokens),
+            f"suppress_tokens must be a list of non-negative token ids, got {self.suppress_tokens!r}",
+        )
+        _check(
+            self.bad_words_ids is None
+            or (
+                isinstance(self.bad_words_ids, list | tuple)
+                and all(_token_ids(w) and len(w) > 0 for w in self.bad_words_ids)
+            ),
+            "bad_words_ids must be a list of non-empty lists of non-negative token ids, got "
+            f"{self.bad_words_ids!r}",
+        )
+        _check(
+            isinstance(self.no_repeat_ngram_size, int)
+            and not isinstance(self.no_repeat_ngram_size, bool)
+            and self.no_repeat_ngram_size >= 0,
+            "no_repeat_ngram_size must be a non-negative integer, got "
+            f"{self.no_repeat_ngram_size!r}",
         )
         _check(
             isinstance(self.repetition_penalty, (int, float))
@@ -282,6 +299,12 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_generate_rules(self) -> bool:
+        """Whether transformers' token rules (see :func:`specdec.sampling.generate_rule_bans`)
+        are on."""
+        return bool(self.suppress_tokens or self.bad_words_ids or self.no_repeat_ngram_size)
 
     @property
     def has_penalties(self) -> bool:
@@ -376,6 +399,13 @@ def resolve_device(name: str | torch.device) -> torch.device:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+def _token_ids(value: Any) -> bool:
+    """Whether ``value`` is a list (or tuple) of non-negative integer token ids."""
+    return isinstance(value, list | tuple) and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+    )
 
 
 def choice_seed(seed: int | None, choice: int) -> int | None:

@@ -100,6 +100,8 @@ class Engine:
             ("stop_token_ids", params.stop_token_ids),
             ("logit_bias", params.logit_bias or {}),
             ("allowed_token_ids", params.allowed_token_ids or []),
+            ("suppress_tokens", params.suppress_tokens or []),
+            ("bad_words_ids", [t for word in params.bad_words_ids or [] for t in word]),
         ):
             if any(t >= self.vocab_size for t in ids):  # SamplingParams refused negative ones
                 raise ValueError(f"{name} token ids must lie in [0, {self.vocab_size})")

@@ -16,7 +16,7 @@ import transformers
 
 from specdec.config import SamplingParams
 from specdec.loader import eos_ids_of
-from specdec.sampling import apply_penalties, process_logits_for
+from specdec.sampling import apply_penalties, generate_rule_bans, process_logits_for
 
 # Generation-config fields the engine does not implement, with the values that leave them off.
 UNSUPPORTED = {
@@ -24,11 +24,8 @@ UNSUPPORTED = {
     "num_beam_groups": (None, 1),
     "penalty_alpha": (None,),
     "encoder_repetition_penalty": (None, 1.0),
-    "no_repeat_ngram_size": (None, 0),
-    "bad_words_ids": (None,),
     "force_words_ids": (None,),
     "sequence_bias": (None,),
-    "suppress_tokens": (None,),
     "begin_suppress_tokens": (None,),
     "forced_bos_token_id": (None,),
     "forced_eos_token_id": (None,),
@@ -121,6 +118,8 @@ def sampling_params(
         )
     min_new = config.min_new_tokens or max(0, (config.min_length or 0) - input_length)
     sample = bool(config.do_sample)
+    eos = eos_ids_of(config)  # transformers drops a bad word that is an EOS id alone
+    bad_words = [list(w) for w in config.bad_words_ids or [] if not (len(w) == 1 and w[0] in eos)]
     return [
         SamplingParams(
             max_tokens=max_new,
@@ -133,6 +132,9 @@ def sampling_params(
             seed=seed,
             stop_token_ids=list(eos_ids_of(config)),
             ignore_eos=True,  # the config's EOS ids above, not the engine's, end a row
+            suppress_tokens=list(config.suppress_tokens) if config.suppress_tokens else None,
+            bad_words_ids=bad_words or None,
+            no_repeat_ngram_size=int(config.no_repeat_ngram_size or 0),
             return_logits=bool(config.output_scores or config.output_logits),
         )
         for seed in seeds
@@ -169,7 +171,8 @@ def scores(
 ) -> list[torch.Tensor | None]:  # [B] each [n_b, V]
     """transformers' ``scores``, up to a constant per row: the logits after the processors
     (``repetition_penalty`` over the prompt and the tokens before each step, ``min_new_tokens``
-    masks the EOS ids) and, when sampling, log-probabilities after the warpers (temperature,
+    masks the EOS ids, ``suppress_tokens``, ``bad_words_ids`` and ``no_repeat_ngram_size``
+    mask what they forbid) and, when sampling, log-probabilities after the warpers (temperature,
     top-k, top-p, min-p); ``compute_transition_scores`` gives the same log-probabilities either
     way."""
     scores: list[torch.Tensor | None] = []
@@ -181,6 +184,9 @@ def scores(
         if sp.repetition_penalty != 1:
             for t in range(len(rows)):
                 apply_penalties(rows[t], sp, prompt, output[:t])
+        if sp.has_generate_rules:
+            for t in range(len(rows)):
+                rows[t, generate_rule_bans(sp, prompt + output[:t])] = float("-inf")
         rows[: sp.min_tokens, sp.stop_token_ids] = float("-inf")
         if not sp.is_greedy:
             rows = process_logits_for(rows, [sp] * len(rows)).log()

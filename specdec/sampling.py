@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from specdec.config import SamplingParams
@@ -169,6 +170,44 @@ def apply_penalties(
         ids, counts = torch.tensor(list(output), dtype=torch.long).unique(return_counts=True)
         amount = params.frequency_penalty * counts.to(logits.dtype) + params.presence_penalty
         logits[ids.to(device)] -= amount.to(device)
+
+
+def word_ends(words: Sequence[Sequence[int]], context: Sequence[int]) -> list[int]:
+    """The last token of each word (a token sequence) whose other tokens end ``context``; a
+    one-token word always: the tokens that would complete a word next."""
+    ends = []
+    for word in words:
+        m = len(word) - 1
+        if m == 0 or (len(context) >= m and list(context[len(context) - m :]) == list(word[:m])):
+            ends.append(word[m])
+    return ends
+
+
+def repeated_ngram_ends(context: Sequence[int], n: int) -> list[int]:
+    """The tokens that would complete an ``n``-gram already in ``context``: those that followed
+    an earlier occurrence of its last ``n - 1`` tokens (transformers'
+    ``NoRepeatNGramLogitsProcessor``)."""
+    m = n - 1
+    tokens = np.asarray(context, dtype=np.int64)
+    if m == 0:
+        return np.unique(tokens).tolist()
+    if len(tokens) <= m:  # no n-gram yet
+        return []
+    windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], m)  # [L - m, m] prefixes
+    hits = np.flatnonzero((windows == tokens[len(tokens) - m :]).all(axis=1))
+    return np.unique(tokens[hits + m]).tolist()
+
+
+def generate_rule_bans(params: SamplingParams, context: Sequence[int]) -> list[int]:
+    """The tokens transformers' ``suppress_tokens``, ``bad_words_ids`` and
+    ``no_repeat_ngram_size`` forbid after ``context`` (the prompt and the tokens generated
+    before the row): what :mod:`specdec.wrap` passes on from ``generate``."""
+    banned = list(params.suppress_tokens or [])
+    if params.bad_words_ids:
+        banned += word_ends(params.bad_words_ids, context)
+    if params.no_repeat_ngram_size:
+        banned += repeated_ngram_ends(context, params.no_repeat_ngram_size)
+    return banned
 
 
 def row_argmax(rows: torch.Tensor) -> torch.Tensor:  # [N, V] -> [N] int64

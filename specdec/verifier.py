@@ -49,10 +49,12 @@ from specdec.runner import StepResult
 from specdec.sampling import (
     apply_penalties,
     exponential_noise,
+    generate_rule_bans,
     next_tokens,
     process_logits_for,
     row_argmax,
     token_logprobs,
+    word_ends,
 )
 from specdec.scheduler import SchedulerOutput
 from specdec.sequence import Sequence
@@ -269,6 +271,7 @@ def is_unconstrained(seq: Sequence, j: int) -> bool:
         not params.logit_bias
         and params.allowed_token_ids is None
         and not seq.bad_word_ids
+        and not params.has_generate_rules
         and seq.num_output_tokens + j >= params.min_tokens
         and not params.has_penalties
         and seq.guide is None
@@ -281,12 +284,7 @@ def banned_word_ends(seq: Sequence, j: int) -> list[int]:
     longest = max(len(ids) for ids in seq.bad_word_ids) - 1
     start = max(seq.num_prompt_tokens, seq.num_tokens - longest)
     tail = seq.token_ids[start:] + seq.spec_token_ids[:j]  # the output's last tokens
-    return [
-        ids[-1]
-        for ids in seq.bad_word_ids
-        if len(ids) == 1
-        or (len(tail) >= len(ids) - 1 and tail[len(tail) - len(ids) + 1 :] == ids[:-1])
-    ]
+    return word_ends(seq.bad_word_ids, tail)
 
 
 def constrain_rows(
@@ -297,8 +295,9 @@ def constrain_rows(
     """What a request's parameters do to its raw logits before any sampling step, in place, at
     draft position ``j`` (after the first ``j`` drafts, as plain decoding would have them).
 
-    ``logit_bias`` is added first; tokens outside ``allowed_token_ids`` and the last token of
-    a bad word whose other tokens end the output get ``-inf``. A sequence still short of its
+    ``logit_bias`` is added first; tokens outside ``allowed_token_ids``, the last token of
+    a bad word whose other tokens end the output, and what transformers' rules forbid
+    (:func:`specdec.sampling.generate_rule_bans`) get ``-inf``. A sequence still short of its
     ``min_tokens`` cannot end
     there: its end-of-sequence and stop token ids get ``-inf`` logits, as transformers'
     ``MinNewTokensLengthLogitsProcessor`` and vLLM's ``min_tokens`` do. Penalties follow
@@ -316,6 +315,9 @@ def constrain_rows(
             logits[row, params.allowed_token_ids] = kept
         if seq.bad_word_ids:
             logits[row, banned_word_ends(seq, j)] = float("-inf")
+        if params.has_generate_rules:  # transformers' rules, over the prompt too
+            context = seq.token_ids + seq.spec_token_ids[:j]
+            logits[row, generate_rule_bans(params, context)] = float("-inf")
         if seq.num_output_tokens + j < params.min_tokens:
             eos = () if params.ignore_eos else seq.eos_token_ids
             logits[row, [*params.stop_token_ids, *eos]] = float("-inf")

@@ -1,11 +1,18 @@
-"""``allowed_token_ids`` and ``bad_words`` (vLLM's): what they keep out of the output, the same
+"""``allowed_token_ids`` and ``bad_words`` (vLLM's), and transformers' ``no_repeat_ngram_size``,
+``bad_words_ids`` and ``suppress_tokens``: what they keep out of the output, the same
 output with a drafter as without (verification row j bans with the first j drafts counted), and
 clear errors for bad values."""
 
+import random
+from dataclasses import replace
+
 import pytest
+import torch
+import transformers
 
 from specdec import SamplingParams, SpecConfig
 from specdec.drafters import DrafterBase
+from specdec.sampling import repeated_ngram_ends
 from specdec.sequence import Sequence
 from specdec.verifier import banned_word_ends
 from tests.tiny import byte_tokenizer
@@ -108,6 +115,11 @@ def test_bad_word_ends_read_the_output_and_the_drafts_before_the_row():
         ("bad_words", ["ok", "  "]),
         ("bad_words", "word"),
         ("bad_words", [3]),
+        ("suppress_tokens", [-1]),
+        ("bad_words_ids", [[]]),
+        ("bad_words_ids", [1, 2]),
+        ("no_repeat_ngram_size", -1),
+        ("no_repeat_ngram_size", True),
     ],
 )
 def test_bad_constraints_are_refused(field, bad):
@@ -119,3 +131,52 @@ def test_allowed_ids_outside_the_vocabulary_are_refused(make_llm):
     llm = make_llm()
     with pytest.raises(ValueError, match=r"allowed_token_ids token ids must lie in \[0, 300\)"):
         llm.generate([[1, 2]], SamplingParams(allowed_token_ids=[1, 300]))
+    with pytest.raises(ValueError, match=r"bad_words_ids token ids must lie in \[0, 300\)"):
+        llm.generate([[1, 2]], SamplingParams(bad_words_ids=[[4, 5], [300]]))
+
+
+def generate_rules(case: str, free: list[list[int]]) -> dict:
+    """The rules of ``case``; token ids from the unconstrained outputs ``free``, so they bite."""
+    if case == "ngram-2":
+        return {"no_repeat_ngram_size": 2}
+    if case == "ngram-1-suppress":
+        return {"no_repeat_ngram_size": 1, "suppress_tokens": [free[0][0], free[3][2]]}
+    words = [free[0][2:4], [free[1][1]], free[2][3:6]]  # words the free outputs hold
+    return {"bad_words_ids": words, "no_repeat_ngram_size": 4}
+
+
+@pytest.mark.parametrize("case", ["ngram-2", "ngram-1-suppress", "bad-words-ids"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_generate_rules_hold_the_same_with_drafters(make_llm, case, temperature):
+    """transformers' rules (what specdec.wrap passes on), over the prompt and the output: no
+    n-gram twice, no bad word completed, no suppressed token, whatever drafts ran."""
+    params = [
+        SamplingParams(temperature=temperature, seed=s, max_tokens=30, ignore_eos=True)
+        for s in range(len(PROMPTS))
+    ]
+    free = [o.token_ids for o in make_llm().generate(PROMPTS, params)]
+    rules = generate_rules(case, free)
+    outputs = same_with_drafters(make_llm, [replace(p, **rules) for p in params])
+    assert outputs != free
+    n = rules.get("no_repeat_ngram_size", 0)
+    for prompt, out in zip(PROMPTS, outputs):
+        tokens = prompt + out
+        assert not set(out) & set(rules.get("suppress_tokens", []))
+        for end in range(max(len(prompt), n - 1), len(tokens) if n else 0):  # each new token
+            gram = tokens[end - n + 1 : end + 1]
+            earlier = [tokens[i : i + n] for i in range(end - n + 1)]
+            assert gram not in earlier, f"token {end} repeats the {n}-gram {gram}"
+        for word in rules.get("bad_words_ids", []):
+            starts = range(len(prompt) - len(word) + 1, len(tokens) - len(word) + 1)
+            assert all(tokens[i : i + len(word)] != word for i in starts), "a bad word completed"
+
+
+def test_repeated_ngram_ends_are_transformers():
+    rng = random.Random(0)
+    for _ in range(200):
+        context = [rng.randrange(5) for _ in range(rng.randrange(0, 30))]
+        n = rng.randrange(1, 5)
+        processor = transformers.NoRepeatNGramLogitsProcessor(n)
+        scores = processor(torch.tensor([context or [0]])[:, : len(context)], torch.zeros(1, 5))
+        expected = sorted(torch.nonzero(scores[0] == float("-inf")).flatten().tolist())
+        assert sorted(repeated_ngram_ends(context, n)) == expected, (context, n)

@@ -216,8 +216,8 @@ def test_wrong_arguments_are_refused():
         fast.generate(ids, max_new_token=4)
     with pytest.raises(ValueError, match=r"num_beams=2\) is not supported"):
         fast.generate(ids, num_beams=2)
-    with pytest.raises(ValueError, match="no_repeat_ngram_size"):
-        fast.generate(ids, no_repeat_ngram_size=2)
+    with pytest.raises(ValueError, match="sequence_bias"):
+        fast.generate(ids, sequence_bias={(5,): -1.0})
     padded, mask = left_padded(tokenizer, TEXTS[:2])
     with pytest.raises(ValueError, match="repetition_penalty with padded rows"):
         fast.generate(padded, attention_mask=mask, repetition_penalty=1.3)
@@ -365,3 +365,35 @@ def test_repetition_penalty_equals_transformers():
         prefix = sampled.sequences[:, : ids.shape[1] + t]
         theirs = penalty(prefix, logits[None, prefix.shape[1] - 1].clone()).log_softmax(-1)
         torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def token_rules(case: str, free: torch.Tensor, prompt_len: int) -> dict:
+    """The rules of ``case``, its token ids taken from the unconstrained output ``free``."""
+    new = free[:, prompt_len:].tolist()
+    if case == "ngram-2":
+        return {"no_repeat_ngram_size": 2}
+    if case == "ngram-3-suppress":
+        return {"no_repeat_ngram_size": 3, "suppress_tokens": [new[0][3], new[1][5]]}
+    return {"bad_words_ids": [new[0][2:4], [new[1][1]], new[1][4:7]]}  # words the output holds
+
+
+@pytest.mark.parametrize("case", ["ngram-2", "ngram-3-suppress", "bad-words"])
+def test_token_rules_equal_transformers(case):
+    """``no_repeat_ngram_size``, ``suppress_tokens`` and ``bad_words_ids`` (over the prompt and
+    the output, as transformers' processors read ``input_ids``): greedy output and scores equal
+    transformers', with a drafter too."""
+    model, tokenizer = model_and_tokenizer()
+    ids = torch.tensor(
+        [tokenizer.encode(t) for t in ("the fox and the dog", "abcde abcde abcd ab")]
+    )
+    free = model.generate(ids, do_sample=False, max_new_tokens=24)
+    rules = token_rules(case, free, ids.shape[1])
+    kwargs = dict(max_new_tokens=24, return_dict_in_generate=True, output_scores=True, **rules)
+    expected = model.generate(ids, do_sample=False, **kwargs)
+    assert not torch.equal(expected.sequences, free)  # the rules change the output
+    fast = specdec.wrap(model, tokenizer)
+    for extra in ({}, {"prompt_lookup_num_tokens": 3}):
+        out = fast.generate(ids, do_sample=False, **kwargs, **extra)
+        assert torch.equal(out.sequences, expected.sequences)
+        for ours, theirs in zip(out.scores, expected.scores):
+            torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
