@@ -74,6 +74,8 @@ class GenerationFields(GuidedFields):
     logit_bias: dict[str, float] | None = None  # token id (a string) -> bias in [-100, 100]
     allowed_token_ids: list[int] | None = None  # extra; only these ids may be generated
     bad_words: list[str] | None = None  # extra; words never generated (vLLM's rule)
+    # extra; keep the prompt's last k tokens (-1: as many as leave room for one new token)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, lt=2**31)
     guided_grammar: Any = None
     use_beam_search: Any = None  # vLLM's; beam search runs offline only (LLM.beam_search)
 
@@ -91,6 +93,13 @@ class GenerationFields(GuidedFields):
         if value is None or (isinstance(value, list) and all(isinstance(s, str) for s in value)):
             return value
         raise ValueError("must be a string or a list of strings")
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _not_zero(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("must be -1 (as many as fit) or a positive number of tokens")
+        return value
 
     @field_validator("logit_bias")
     @classmethod

@@ -132,13 +132,16 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     if body.requested_max_tokens == 0 and not body.echo:
         message = "max_tokens may be 0 only with echo set to true (to score the prompt alone)"
         raise APIError(400, message, param="max_tokens")
-    prompts = [await tokenize(state, prompt, "prompt") for prompt in body.prompt]
+    truncate = body.truncate_prompt_tokens
+    prompts = [await tokenize(state, prompt, "prompt", truncate) for prompt in body.prompt]
     generation = make_generation(state, body, prompts, "prompt")
     echo = None
-    if body.echo:  # each choice's text starts with its prompt's (token ids are decoded)
+    if body.echo:  # each choice's text starts with its prompt's (token ids, or truncated: decoded)
         texts = [
-            p if isinstance(p, str) else await asyncio.to_thread(state.llm.decode, p)
-            for p in body.prompt
+            p
+            if isinstance(p, str) and truncate is None
+            else await asyncio.to_thread(state.llm.decode, ids)
+            for p, ids in zip(body.prompt, prompts)
         ]
         echo = [text for text in texts for _ in range(body.n or 1)]
     meta = ResponseMeta("cmpl", state.model_name, echo=echo, prompt_logprobs=show_prompt_logprobs)
@@ -155,7 +158,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     show_prompt_logprobs = check_prompt_logprobs(body)
     names = auto_tools(state, body)
     text = await render_chat(state, body.conversation(), body.chat_options())
-    prompt = await tokenize(state, text, "messages")
+    prompt = await tokenize(state, text, "messages", body.truncate_prompt_tokens)
     generation = make_generation(state, body, [prompt], "messages")
     echoed = body.echoed_text()
     echo = None if echoed is None else [echoed] * len(generation.choices)
@@ -243,8 +246,19 @@ async def render_chat(
         raise APIError(400, message, param=param) from e
 
 
-async def tokenize(state: ServerState, prompt: str | list[int], param: str) -> list[int]:
-    """The prompt's token ids, tokenized in a worker thread; 400 for a text that cannot fit."""
+async def tokenize(
+    state: ServerState, prompt: str | list[int], param: str, truncate: int | None = None
+) -> list[int]:
+    """The prompt's token ids, tokenized in a worker thread, the last ``truncate`` of them
+    where it is set (the request's ``truncate_prompt_tokens``); else 400 for a text that cannot
+    fit."""
+    if truncate is not None:
+        ids = (
+            prompt
+            if isinstance(prompt, list)
+            else await asyncio.to_thread(state.llm.encode, prompt)
+        )
+        return ids[-state.llm.engine.prompt_limit(truncate) :]
     if isinstance(prompt, str) and len(prompt) > state.max_prompt_chars:
         max_model_len = state.llm.engine.max_model_len
         raise APIError(

@@ -114,6 +114,9 @@ class SamplingParams:
     suppress_tokens: list[int] | None = None  # token ids never generated
     bad_words_ids: list[list[int]] | None = None  # token sequences never completed
     no_repeat_ngram_size: int = 0  # no n-gram of this many tokens occurs twice; 0 disables
+    # keep only the prompt's last k tokens (vLLM's left truncation; -1: as many as the context
+    # holds with room for one new token); None: a prompt too long for the context is refused
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -227,6 +230,16 @@ class SamplingParams:
             and self.no_repeat_ngram_size >= 0,
             "no_repeat_ngram_size must be a non-negative integer, got "
             f"{self.no_repeat_ngram_size!r}",
+        )
+        _check(
+            self.truncate_prompt_tokens is None
+            or (
+                isinstance(self.truncate_prompt_tokens, int)
+                and not isinstance(self.truncate_prompt_tokens, bool)
+                and (self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1)
+            ),
+            "truncate_prompt_tokens must be -1 (the context's length) or a positive integer, got "
+            f"{self.truncate_prompt_tokens!r}",
         )
         _check(
             isinstance(self.repetition_penalty, (int, float))

@@ -86,13 +86,17 @@ class Engine:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Queue a request; bad prompts raise ``ValueError`` before anything is allocated."""
+        if params.truncate_prompt_tokens is not None:  # the last k tokens
+            keep = self.prompt_limit(params.truncate_prompt_tokens)
+            prompt_token_ids = list(prompt_token_ids)[-keep:]
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt is empty: give at least one token")
         if n >= self.max_model_len:
             raise ValueError(
                 f"prompt has {n} tokens, but the context holds at most "
-                f"{self.max_model_len} (prompt + output): shorten the prompt"
+                f"{self.max_model_len} (prompt + output): shorten the prompt, or keep its last "
+                "tokens with truncate_prompt_tokens"
             )
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
@@ -118,6 +122,12 @@ class Engine:
         self.requests[seq.seq_id] = seq
         self.scheduler.add(seq)
         return seq.seq_id
+
+    def prompt_limit(self, truncate_prompt_tokens: int) -> int:
+        """How many of a prompt's last tokens ``truncate_prompt_tokens`` keeps (see
+        :class:`~specdec.config.SamplingParams`; -1 leaves room for one new token)."""
+        k = truncate_prompt_tokens
+        return self.max_model_len - 1 if k == -1 else k
 
     def _bad_word_ids(self, words: list[str]) -> list[list[int]]:
         """Each word's token ids as the tokenizer spells it alone and after a space (vLLM's

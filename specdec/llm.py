@@ -357,6 +357,7 @@ def _token_ids(prompt: Any) -> list[int]:
 
 
 def merge_delta(total: RequestOutput, delta: RequestOutput) -> None:
+    total.prompt_token_ids = delta.prompt_token_ids  # the engine's: truncated, where asked
     total.token_ids += delta.token_ids
     total.text += delta.text
     if delta.logits is not None:

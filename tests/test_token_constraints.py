@@ -180,3 +180,25 @@ def test_repeated_ngram_ends_are_transformers():
         scores = processor(torch.tensor([context or [0]])[:, : len(context)], torch.zeros(1, 5))
         expected = sorted(torch.nonzero(scores[0] == float("-inf")).flatten().tolist())
         assert sorted(repeated_ngram_ends(context, n)) == expected, (context, n)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(make_llm):
+    llm = make_llm()
+    prompt = list(range(1, 200)) * 3  # 597 tokens: more than the context of 512 holds
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):  # the error says what to do
+        llm.generate([prompt], greedy)
+    out = llm.generate([prompt], replace(greedy, truncate_prompt_tokens=40))[0]
+    assert out.prompt_token_ids == prompt[-40:]
+    assert out.token_ids == llm.generate([prompt[-40:]], greedy)[0].token_ids
+    fit = llm.generate([prompt], replace(greedy, truncate_prompt_tokens=-1))[0]
+    assert fit.prompt_token_ids == prompt[-511:] and len(fit.token_ids) == 1  # the context is full
+    assert fit.finish_reason == "length"
+    short = llm.generate([prompt[:10]], replace(greedy, truncate_prompt_tokens=40))[0]
+    assert short.prompt_token_ids == prompt[:10]
+
+
+@pytest.mark.parametrize("bad", [0, -2, True, 1.5])
+def test_bad_truncation_is_refused(bad):
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=bad)

@@ -60,6 +60,7 @@ BAD_REQUESTS = [
     (C, {"prompt": "x", "logit_bias": {"300": 1}}, 400, "logit_bias token ids must lie in [0, 300)", "logit_bias"),
     (C, {"prompt": "x", "stop_token_ids": [300], "min_tokens": 2}, 400, "stop_token_ids token ids must lie in [0, 300)", "stop_token_ids"),
     (C, {"prompt": "x", "allowed_token_ids": [5, 300]}, 400, "allowed_token_ids token ids must lie in [0, 300)", "allowed_token_ids"),
+    (C, {"prompt": "x", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens: must be -1 (as many as fit)", "truncate_prompt_tokens"),
     (C, {"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids must be a non-empty list", "allowed_token_ids"),
     (CHAT, {"messages": MSG, "bad_words": ["ok", " "]}, 400, "bad_words must be a list of non-blank strings", "bad_words"),
     (C, {"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty: Input should be less than or equal to 2", "presence_penalty"),
