@@ -197,50 +197,7 @@ class SamplingParams:
             "logit_bias must map non-negative token ids to numbers in [-100, 100], got "
             f"{self.logit_bias!r}",
         )
-        _check(
-            self.allowed_token_ids is None
-            or (_token_ids(self.allowed_token_ids) and len(self.allowed_token_ids) > 0),
-            "allowed_token_ids must be a non-empty list of non-negative token ids, got "
-            f"{self.allowed_token_ids!r}",
-        )
-        _check(
-            self.bad_words is None
-            or (
-                isinstance(self.bad_words, list | tuple)
-                and all(isinstance(w, str) and w.strip() for w in self.bad_words)
-            ),
-            f"bad_words must be a list of non-blank strings, got {self.bad_words!r}",
-        )
-        _check(
-            self.suppress_tokens is None or _token_ids(self.suppress_tokens),
-            f"suppress_tokens must be a list of non-negative token ids, got {self.suppress_tokens!r}",
-        )
-        _check(
-            self.bad_words_ids is None
-            or (
-                isinstance(self.bad_words_ids, list | tuple)
-                and all(_token_ids(w) and len(w) > 0 for w in self.bad_words_ids)
-            ),
-            "bad_words_ids must be a list of non-empty lists of non-negative token ids, got "
-            f"{self.bad_words_ids!r}",
-        )
-        _check(
-            isinstance(self.no_repeat_ngram_size, int)
-            and not isinstance(self.no_repeat_ngram_size, bool)
-            and self.no_repeat_ngram_size >= 0,
-            "no_repeat_ngram_size must be a non-negative integer, got "
-            f"{self.no_repeat_ngram_size!r}",
-        )
-        _check(
-            self.truncate_prompt_tokens is None
-            or (
-                isinstance(self.truncate_prompt_tokens, int)
-                and not isinstance(self.truncate_prompt_tokens, bool)
-                and (self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1)
-            ),
-            "truncate_prompt_tokens must be -1 (the context's length) or a positive integer, got "
-            f"{self.truncate_prompt_tokens!r}",
-        )
+        self._check_token_rules()
         _check(
             isinstance(self.repetition_penalty, (int, float))
             and not isinstance(self.repetition_penalty, bool)
@@ -308,6 +265,27 @@ class SamplingParams:
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}",
         )
+
+    def _check_token_rules(self) -> None:
+        """The token lists and rules (allowed, bad words, transformers' rules, truncation)."""
+        allowed, words, ids = self.allowed_token_ids, self.bad_words, self.bad_words_ids
+        n, k = self.no_repeat_ngram_size, self.truncate_prompt_tokens
+        for name, ok, rule in (
+            ("allowed_token_ids", allowed is None or (_token_ids(allowed) and len(allowed) > 0),
+             "a non-empty list of non-negative token ids"),
+            ("bad_words", words is None or (isinstance(words, list | tuple)
+                                            and all(isinstance(w, str) and w.strip() for w in words)),
+             "a list of non-blank strings"),
+            ("suppress_tokens", self.suppress_tokens is None or _token_ids(self.suppress_tokens),
+             "a list of non-negative token ids"),
+            ("bad_words_ids", ids is None or (isinstance(ids, list | tuple)
+                                              and all(_token_ids(w) and len(w) > 0 for w in ids)),
+             "a list of non-empty lists of non-negative token ids"),
+            ("no_repeat_ngram_size", _is_int(n) and n >= 0, "a non-negative integer"),
+            ("truncate_prompt_tokens", k is None or (_is_int(k) and (k == -1 or k >= 1)),
+             "-1 (as many as fit) or a positive integer"),
+        ):  # fmt: skip
+            _check(ok, f"{name} must be {rule}, got {getattr(self, name)!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -414,11 +392,13 @@ def _check(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _token_ids(value: Any) -> bool:
     """Whether ``value`` is a list (or tuple) of non-negative integer token ids."""
-    return isinstance(value, list | tuple) and all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
-    )
+    return isinstance(value, list | tuple) and all(_is_int(t) and t >= 0 for t in value)
 
 
 def choice_seed(seed: int | None, choice: int) -> int | None:

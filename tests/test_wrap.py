@@ -340,6 +340,15 @@ def test_wrapping_twice_fuses_once(monkeypatch: pytest.MonkeyPatch):
     )
 
 
+def assert_greedy_equals(fast, ids: torch.Tensor, kwargs: dict, expected) -> None:  # noqa: ANN001
+    """Greedy sequences and scores equal transformers' ``expected``, plain and with drafts."""
+    for extra in ({}, {"prompt_lookup_num_tokens": 3}):
+        out = fast.generate(ids, do_sample=False, **kwargs, **extra)
+        assert torch.equal(out.sequences, expected.sequences)
+        for ours, theirs in zip(out.scores, expected.scores):
+            torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
 def test_repetition_penalty_equals_transformers():
     """Greedy and seeded-sampled output, and the scores of both, under transformers' rule; with a
     drafter too."""
@@ -351,11 +360,7 @@ def test_repetition_penalty_equals_transformers():
     unpenalised = model.generate(ids, do_sample=False, max_new_tokens=16)
     assert not torch.equal(expected.sequences, unpenalised)  # the penalty changes the output
     fast = specdec.wrap(model, tokenizer)
-    for extra in ({}, {"prompt_lookup_num_tokens": 3}):
-        out = fast.generate(ids, do_sample=False, **kwargs, **extra)
-        assert torch.equal(out.sequences, expected.sequences)
-        for ours, theirs in zip(out.scores, expected.scores):
-            torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    assert_greedy_equals(fast, ids, kwargs, expected)
     # sampled: each step's scores are the log-probabilities of the penalised logits
     sampled = fast.generate(ids, do_sample=True, top_k=0, **kwargs)
     penalty = transformers.RepetitionPenaltyLogitsProcessor(1.8)
@@ -392,8 +397,4 @@ def test_token_rules_equal_transformers(case):
     expected = model.generate(ids, do_sample=False, **kwargs)
     assert not torch.equal(expected.sequences, free)  # the rules change the output
     fast = specdec.wrap(model, tokenizer)
-    for extra in ({}, {"prompt_lookup_num_tokens": 3}):
-        out = fast.generate(ids, do_sample=False, **kwargs, **extra)
-        assert torch.equal(out.sequences, expected.sequences)
-        for ours, theirs in zip(out.scores, expected.scores):
-            torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    assert_greedy_equals(fast, ids, kwargs, expected)
