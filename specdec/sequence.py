@@ -88,6 +88,9 @@ class Sequence:
     guide_states: list[Any] = field(default_factory=list)
     # with SamplingParams.bad_words: each word's token ids, in each spelling (Engine.add_request)
     bad_word_ids: list[list[int]] = field(default_factory=list)
+    # with SamplingParams.allowed_token_ids: those ids as a tensor, made once (a row indexed by a
+    # long Python list converts the list each time)
+    allowed_ids: torch.Tensor | None = field(default=None, init=False)
     seed: int = field(init=False)  # noise seed: params.seed, else drawn at creation
     seeds: InitVar[torch.Generator | None] = None  # where an unseeded seed is drawn; None: global
 
@@ -96,6 +99,8 @@ class Sequence:
             self.seed = self.params.seed
         else:
             self.seed = int(torch.randint(2**63 - 1, (), generator=seeds))
+        if self.params.allowed_token_ids is not None:
+            self.allowed_ids = torch.tensor(self.params.allowed_token_ids, dtype=torch.long)
         if not self.metrics.arrival_time:
             self.metrics.arrival_time = time.perf_counter()
 

@@ -309,15 +309,16 @@ def constrain_rows(
             ids = torch.tensor(list(params.logit_bias), device=logits.device)
             bias = torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype)
             logits[row, ids] += bias.to(logits.device)
-        if params.allowed_token_ids is not None:
-            kept = logits[row, params.allowed_token_ids]
+        if seq.allowed_ids is not None:  # a tensor: indexing by a long list is slow
+            only = seq.allowed_ids.to(logits.device)
+            kept = logits[row, only]
             logits[row] = float("-inf")
-            logits[row, params.allowed_token_ids] = kept
-        if seq.bad_word_ids:
-            logits[row, banned_word_ends(seq, j)] = float("-inf")
+            logits[row, only] = kept
+        banned = banned_word_ends(seq, j) if seq.bad_word_ids else []
         if params.has_generate_rules:  # transformers' rules, over the prompt too
-            context = seq.token_ids + seq.spec_token_ids[:j]
-            logits[row, generate_rule_bans(params, context)] = float("-inf")
+            banned += generate_rule_bans(params, seq.token_ids + seq.spec_token_ids[:j])
+        if banned:
+            logits[row, torch.tensor(banned, device=logits.device)] = float("-inf")
         if seq.num_output_tokens + j < params.min_tokens:
             eos = () if params.ignore_eos else seq.eos_token_ids
             logits[row, [*params.stop_token_ids, *eos]] = float("-inf")
