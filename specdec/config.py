@@ -107,8 +107,9 @@ class SamplingParams:
     # only these token ids may be generated (vLLM's allowed_token_ids): every other token gets a
     # -inf logit, end-of-sequence ids included unless listed; None: any token
     allowed_token_ids: list[int] | None = None
-    # words never generated (vLLM's bad_words): each word's tokens, spelled alone and after a
-    # space; a word's last token gets a -inf logit wherever the output ends with the ones before
+    # words never generated (vLLM's bad_words): each word's tokens, spelled alone and (see
+    # Engine.add_request) after a space; its last token gets -inf where the output ends with the
+    # ones before it
     bad_words: list[str] | None = None
     # transformers' generate rules (specdec.wrap passes them on), over the prompt and the output:
     suppress_tokens: list[int] | None = None  # token ids never generated

@@ -11,6 +11,7 @@ import gc
 import itertools
 import logging
 import time
+from typing import Any
 
 import torch
 
@@ -118,7 +119,7 @@ class Engine:
             seeds=self._seeds,
         )
         seq.guide = self.guides.for_params(params)
-        seq.bad_word_ids = self._bad_word_ids(params.bad_words or [])
+        seq.bad_word_ids = bad_word_token_ids(self.tokenizer, params.bad_words or [])
         self.requests[seq.seq_id] = seq
         self.scheduler.add(seq)
         return seq.seq_id
@@ -128,17 +129,6 @@ class Engine:
         :class:`~specdec.config.SamplingParams`; -1 leaves room for one new token)."""
         k = truncate_prompt_tokens
         return self.max_model_len - 1 if k == -1 else k
-
-    def _bad_word_ids(self, words: list[str]) -> list[list[int]]:
-        """Each word's token ids as the tokenizer spells it alone and after a space (vLLM's
-        bad_words: a word mid-sentence is usually the spelling with the space), without repeats."""
-        found: list[list[int]] = []
-        for word in words:
-            for text in (word.lstrip(), " " + word.lstrip()):
-                ids = list(self.tokenizer.encode(text, add_special_tokens=False))
-                if ids and ids not in found:
-                    found.append(ids)
-        return found
 
     def abort(self, request_id: int) -> None:
         """Stop a request now and free its KV blocks (unknown or finished ids are ignored)."""
@@ -266,3 +256,19 @@ def cuda_kv_blocks(device: torch.device, config: EngineConfig, block_bytes: int)
         num_blocks * block_bytes / 2**30, config.gpu_memory_utilization,
     )  # fmt: skip
     return num_blocks
+
+
+def bad_word_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:  # noqa: ANN401
+    """Each word's token ids as ``tokenizer`` spells it alone, and after a space where that
+    spelling starts with another token and has as many tokens (vLLM's bad_words rule: a word
+    mid-sentence is usually the spelling with the space)."""
+    found: list[list[int]] = []
+    for word in words:
+        alone, spaced = (
+            list(tokenizer.encode(text, add_special_tokens=False))
+            for text in (word.lstrip(), " " + word.lstrip())
+        )
+        found.append(alone)
+        if spaced[0] != alone[0] and len(spaced) == len(alone):
+            found.append(spaced)
+    return found

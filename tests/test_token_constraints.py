@@ -12,6 +12,7 @@ import transformers
 
 from specdec import SamplingParams, SpecConfig
 from specdec.drafters import DrafterBase
+from specdec.engine import bad_word_token_ids
 from specdec.sampling import repeated_ngram_ends
 from specdec.sequence import Sequence
 from specdec.verifier import banned_word_ends
@@ -202,3 +203,21 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(make_llm):
 def test_bad_truncation_is_refused(bad):
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):
         SamplingParams(truncate_prompt_tokens=bad)
+
+
+class WordTokenizer:
+    """Spells each text by a table, as a BPE tokenizer would: a word after a space may be one
+    token of its own (" very"), or the space may be a token of its own (" ab" as three)."""
+
+    SPELLINGS = {"very": [7], " very": [8], "ab": [1, 2], " ab": [3, 1, 2], "good day": [4, 5]}
+    SPELLINGS[" good day"] = [6, 5]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        assert not add_special_tokens
+        return self.SPELLINGS[text]
+
+
+def test_bad_words_take_the_spaced_spelling_where_it_is_another_word():
+    ids = bad_word_token_ids(WordTokenizer(), ["very", "  ab", "good day"])
+    # " ab" has another length: only "ab" (which " ab" ends with anyway)
+    assert ids == [[7], [8], [1, 2], [4, 5], [6, 5]]
