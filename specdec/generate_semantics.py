@@ -130,7 +130,7 @@ def sampling_params(
             min_p=float(config.min_p or 0.0) if sample else 0.0,
             repetition_penalty=float(config.repetition_penalty or 1.0),  # greedy rows too
             seed=seed,
-            stop_token_ids=list(eos_ids_of(config)),
+            stop_token_ids=list(eos),
             ignore_eos=True,  # the config's EOS ids above, not the engine's, end a row
             suppress_tokens=list(config.suppress_tokens) if config.suppress_tokens else None,
             bad_words_ids=bad_words or None,

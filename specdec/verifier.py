@@ -269,7 +269,7 @@ def is_unconstrained(seq: Sequence, j: int) -> bool:
     params = seq.params
     return (
         not params.logit_bias
-        and params.allowed_token_ids is None
+        and seq.allowed_ids is None
         and not seq.bad_word_ids
         and not params.has_generate_rules
         and seq.num_output_tokens + j >= params.min_tokens
@@ -285,6 +285,13 @@ def banned_word_ends(seq: Sequence, j: int) -> list[int]:
     start = max(seq.num_prompt_tokens, seq.num_tokens - longest)
     tail = seq.token_ids[start:] + seq.spec_token_ids[:j]  # the output's last tokens
     return word_ends(seq.bad_word_ids, tail)
+
+
+def keep_only(row: torch.Tensor, ids: list[int] | torch.Tensor) -> None:
+    """``-inf`` in place at every entry of ``row`` but ``ids``."""
+    kept = row[ids]
+    row.fill_(float("-inf"))
+    row[ids] = kept
 
 
 def constrain_rows(
@@ -310,10 +317,7 @@ def constrain_rows(
             bias = torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype)
             logits[row, ids] += bias.to(logits.device)
         if seq.allowed_ids is not None:  # a tensor: indexing by a long list is slow
-            only = seq.allowed_ids.to(logits.device)
-            kept = logits[row, only]
-            logits[row] = float("-inf")
-            logits[row, only] = kept
+            keep_only(logits[row], seq.allowed_ids.to(logits.device))
         banned = banned_word_ends(seq, j) if seq.bad_word_ids else []
         if params.has_generate_rules:  # transformers' rules, over the prompt too
             banned += generate_rule_bans(params, seq.token_ids + seq.spec_token_ids[:j])
@@ -329,6 +333,4 @@ def constrain_rows(
         if isinstance(allowed, torch.Tensor):  # a [V] mask
             logits[row].masked_fill_(~allowed.to(logits.device), float("-inf"))
         elif allowed is not None:
-            kept = logits[row, allowed]
-            logits[row] = float("-inf")
-            logits[row, allowed] = kept
+            keep_only(logits[row], allowed)

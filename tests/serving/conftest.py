@@ -70,6 +70,12 @@ def start_server(config: ServerConfig | None = None, **llm_options) -> Served:
 
 
 @pytest.fixture(scope="module")
+def offline() -> LLM:
+    """The served model (same weights), run offline as the reference."""
+    return LLM(tiny_model("llama"), tokenizer=byte_tokenizer(), num_kv_blocks=64)
+
+
+@pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
     """One server shared by a test module; checked for leaks when the module is done."""
     served = start_server()

@@ -9,18 +9,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import specdec
-from specdec import LLM, SamplingParams
-from tests.tiny import byte_tokenizer, tiny_model
+from specdec import SamplingParams
+from tests.tiny import byte_tokenizer
 
 from .conftest import MODEL
 
 CHAT = [{"role": "user", "content": "Name a prime."}]
-
-
-@pytest.fixture(scope="module")
-def offline() -> LLM:
-    """The served model (same weights), run offline as the reference."""
-    return LLM(tiny_model("llama"), tokenizer=byte_tokenizer(), num_kv_blocks=64)
 
 
 def test_greedy_completion_matches_offline_generate(served, offline):
@@ -290,37 +284,6 @@ def test_logit_bias_reaches_the_engine(served):
         model=MODEL, prompt="abc", max_tokens=6, temperature=0, logit_bias={"65": 100}
     )
     assert out.choices[0].text == byte_tokenizer().decode([65]) * 6
-
-
-def test_allowed_token_ids_and_bad_words_reach_the_engine(served):
-    a, b = byte_tokenizer().decode([65]), byte_tokenizer().decode([66])
-    out = served.client().completions.create(
-        model=MODEL, prompt="abc", max_tokens=6, temperature=0,
-        extra_body={"allowed_token_ids": [65, 66], "bad_words": [a]},
-    )  # fmt: skip
-    assert out.choices[0].text == b * 6
-
-
-def test_truncate_prompt_tokens_keeps_the_last_tokens(served, offline):
-    long = "y" * 5000  # past the length the server refuses untokenized
-    body = {"prompt": long + "abc", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-    out = served.post("/v1/completions", json={**body, "truncate_prompt_tokens": 6}).json()
-    assert out["usage"]["prompt_tokens"] == 6
-    kept = offline.encode(long + "abc")[-6:]
-    expected = offline.generate(
-        [kept], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    )
-    assert out["choices"][0]["text"] == expected[0].text
-    echoed = {**body, "truncate_prompt_tokens": 6, "echo": True, "max_tokens": 1}
-    assert (
-        served.post("/v1/completions", json=echoed)
-        .json()["choices"][0]["text"]
-        .startswith(offline.decode(kept))
-    )
-    chat = {"messages": [{"role": "user", "content": long}], "truncate_prompt_tokens": -1}
-    usage = served.post("/v1/chat/completions", json=chat).json()["usage"]  # room for one token
-    assert usage["prompt_tokens"] == served.llm.engine.max_model_len - 1  # type: ignore[attr-defined]
-    assert usage["completion_tokens"] == 1
 
 
 def test_tokenize_and_detokenize_as_the_generation_routes_feed_prompts(served, offline):

@@ -4,19 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from specdec import LLM, SamplingParams
-from tests.tiny import byte_tokenizer, tiny_model
+from specdec import SamplingParams
+from tests.tiny import byte_tokenizer
 
 from .conftest import MODEL
 
 CHAT = [{"role": "user", "content": "Name a prime."}]
 EXTRA = {"ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def offline() -> LLM:
-    """The served model (same weights), run offline as the reference."""
-    return LLM(tiny_model("llama"), tokenizer=byte_tokenizer(), num_kv_blocks=64)
 
 
 def test_completion_logprobs_are_offline_generates(served, offline):

@@ -9,8 +9,7 @@ import re
 
 import pytest
 
-from specdec import LLM, SamplingParams
-from tests.tiny import byte_tokenizer, tiny_model
+from specdec import SamplingParams
 
 from .conftest import MODEL
 
@@ -18,12 +17,6 @@ INSTRUCTIONS = "Answer briefly."
 QUESTION = "Name a prime."
 OBJECT_K = {"type": "object", "properties": {"k": {"type": "integer"}}}
 CHAT = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": QUESTION}]
-
-
-@pytest.fixture(scope="module")
-def offline() -> LLM:
-    """The served model (same weights), run offline as the reference."""
-    return LLM(tiny_model("llama"), tokenizer=byte_tokenizer(), num_kv_blocks=64)
 
 
 def test_reply_is_the_chat_templates_reply(served, offline):
