@@ -304,14 +304,18 @@ void cached_attention_rows(const T* q, int64_t q_row_stride, const T* k_cache, c
 constexpr int64_t kHeadChunks = kVecLanes == 16 ? 4 : 3;  // AVX2: 3 was 1.03x 2 or 4 (4 rows, or 2)
 constexpr int64_t kFloatValueRows = 4;  // rows whose outputs are summed in one pass over the values
 constexpr int64_t kPrefetch = 32;  // keys ahead of the scores being computed whose rows are fetched
+// keys ahead of the values being summed whose rows weigh_values<..., true> fetches (the spread
+// path's values, which no pass over the keys fetched before)
+constexpr int64_t kValueFetch = 24;
 
 // acc[r] += p[r][c] * value[c] for R rows and C vectors of the head dim from `offset`, over each
-// key c row r sees (its first visible[r]), then row r is stored to outs[r] + the piece's start.
+// key c row r sees (its first visible[r]), then row r is stored to outs[r] + the piece's start;
+// kFetch asks for the values kValueFetch keys ahead.
 // Out of line: inlined into the kernel's item loop, GCC kept the R x C sums in memory, a load
 // and a store around every multiply-add; on its own it keeps them in registers (the same adds in
 // the same order, so the same bits): a 9-row float32 verification at 1,000 keys 259 -> 193 us,
 // a 930-token prompt chunk (batch-invariant mode) 16.7 -> 12.1 ms a layer.
-template <typename T, int R, int C>
+template <typename T, int R, int C, bool kFetch = false>
 __attribute__((noinline)) void weigh_values(const T* v_cache, const int64_t* slots,
                                             int64_t slot_stride, int64_t offset,
                                             const float* const* probs, const int64_t* visible,
@@ -322,6 +326,9 @@ __attribute__((noinline)) void weigh_values(const T* v_cache, const int64_t* slo
   int64_t seen = 0;
   for (int r = 0; r < R; r++) seen = std::max(seen, visible[r]);
   for (int64_t c = 0; c < seen; c++) {
+    if constexpr (kFetch)
+      if (c + kValueFetch < seen)
+        _mm_prefetch(reinterpret_cast<const char*>(v_cache + slots[c + kValueFetch] * slot_stride + offset), _MM_HINT_T0);
     const T* value = v_cache + slots[c] * slot_stride + offset;
     Vec v[C];
     for (int ch = 0; ch < C; ch++) v[ch] = vec_load(value + ch * kVecLanes);
@@ -404,6 +411,116 @@ inline void score_keys16(const float* query, const float* const* keys, int64_t c
 #endif
 }
 
+// One float32 sequence's decode or verification at a long context, spread over the threads by
+// keys and then by value dims instead of by KV heads (cached_attention_rows_vec sends such calls
+// here).
+//
+// By KV heads, a lone decode of the default model (3 KV heads, 2 threads) read one head's keys
+// on both threads, 4/3 of the bytes, and each head's slice of a slot is a third of the slot's
+// row, so a thread read 256 of every 768 bytes: at 2,000 keys a layer's attention took 300 us
+// with its cache in memory, 10 GB/s, against 31 GB/s that 2 threads stream (AVX2, 2 cores).
+// Spread, 220 us; at 700 keys 129 -> 96 us; an int4 decode step at 800 keys 1.17x faster. In
+// bfloat16 (keys widened to float32 on AVX2) it was 0.82-0.97x up to 1,000 keys, and a
+// 9-query verification, bound by its scores' arithmetic, gained nothing. Here:
+//   1. scores: each thread takes a run of whole 16-key groups and scores every row (every query
+//      and query head) against them, reading each slot's keys for all heads at once;
+//   2. softmax: a row on one thread;
+//   3. values: units of one KV head and a slice of the head dim (a cache line of values), each
+//      over all keys in order for that head's rows.
+// Every score, softmax and output element goes through the functions and the order of
+// cached_attention_rows_vec (score_keys16 per key, softmax_row per row, weigh_values' chain over
+// the keys per output vector, which does not depend on how many vectors or rows a call holds), so
+// a row gets the same bits whichever path its call takes.
+constexpr int64_t kSpreadKeys = 512;     // contexts from which a lone sequence is spread
+constexpr int64_t kSpreadQueries = 16;   // and queries up to which (decodes, verifications)
+
+template <typename T>
+void cached_attention_spread(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache,
+                             const int64_t* query_index, const int64_t* slots, int64_t q_len,
+                             int64_t c_len, T* out, int64_t width, int64_t kv_heads,
+                             int64_t share, int64_t head_dim, float scale) {
+  const int64_t heads = kv_heads * share, chunks = head_dim / kLanes;
+  const int64_t slot_stride = kv_heads * head_dim, out_stride = heads * head_dim;
+  const int64_t padded = (c_len + kLanes - 1) / kLanes * kLanes;
+  const int64_t rows = heads * q_len;  // row r: query head r / q_len, query r % q_len
+  for (int64_t j = q_len; j < width; j++)  // padding queries
+    for (int64_t d = 0; d < out_stride; d++) out[j * out_stride + d] = static_cast<T>(0.0f);
+  std::unique_ptr<float[]> queries(new float[rows * head_dim]);
+  std::unique_ptr<float[]> scores(new float[rows * padded]);
+  std::vector<int64_t> visible(rows);
+  std::vector<const float*> probs(rows);
+  std::vector<T*> outs(rows);
+  for (int64_t r = 0; r < rows; r++) {
+    const int64_t qh = r / q_len, j = r % q_len;
+    visible[r] = c_len - q_len + j + 1;
+    const T* qr = q + query_index[j] * q_row_stride + qh * head_dim;
+    for (int64_t d = 0; d < head_dim; d++) queries[r * head_dim + d] = load(qr, d);
+    probs[r] = scores.get() + r * padded;
+    outs[r] = out + j * out_stride + qh * head_dim;
+  }
+
+  // 1. scores, by runs of 16-key groups
+  const int64_t row_bytes = slot_stride * static_cast<int64_t>(sizeof(T));
+  at::parallel_for(0, padded / kLanes, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> converted(kv_heads * kLanes * head_dim);
+    std::vector<const float*> key_rows(kv_heads * kLanes);
+    for (int64_t group = begin; group < end; group++) {
+      const int64_t c0 = group * kLanes, n = std::min<int64_t>(kLanes, c_len - c0);
+      for (int64_t c = c0 + kPrefetch; c < std::min(c_len, c0 + kPrefetch + kLanes); c++)
+        for (int64_t b = 0; b < row_bytes; b += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(k_cache + slots[c] * slot_stride) + b, _MM_HINT_T0);
+      for (int64_t h = 0; h < kv_heads; h++)
+        for (int64_t l = 0; l < kLanes; l++) {  // past the last key, the last key again
+          const T* key = k_cache + slots[c0 + std::min(l, n - 1)] * slot_stride + h * head_dim;
+          if constexpr (std::is_same_v<T, float>) {
+            key_rows[h * kLanes + l] = key;
+          } else {
+            float* row = converted.data() + (h * kLanes + l) * head_dim;
+            for (int64_t i = 0; i < head_dim; i += kVecLanes) vec_store(row + i, vec_load(key + i));
+            key_rows[h * kLanes + l] = row;
+          }
+        }
+      for (int64_t r = 0; r < rows; r++)
+        if (c0 < visible[r])
+          score_keys16(queries.get() + r * head_dim, key_rows.data() + r / q_len / share * kLanes,
+                       chunks, scale, scores.get() + r * padded + c0);
+    }
+  });
+  // 2. softmax
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; r++) softmax_row(scores.get() + r * padded, visible[r]);
+  });
+  // 3. values: a unit is a KV head and `piece` vectors of its dims (a cache line, at most
+  // kHeadChunks vectors), for the head's share * q_len rows, kFloatValueRows at a time
+  const int64_t vectors = head_dim / kVecLanes;
+  const int64_t piece = std::clamp<int64_t>(64 / (kVecLanes * static_cast<int64_t>(sizeof(T))), 1, kHeadChunks);
+  const int64_t pieces = (vectors + piece - 1) / piece, head_rows = share * q_len;
+  at::parallel_for(0, kv_heads * pieces, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t unit = begin; unit < end; unit++) {
+      const int64_t h = unit / pieces, first = (unit % pieces) * piece;
+      const int64_t count = std::min(piece, vectors - first), d = first * kVecLanes;
+      for (int64_t r0 = h * head_rows; r0 < (h + 1) * head_rows; r0 += kFloatValueRows) {
+        T* shifted[kFloatValueRows];
+        const int64_t n = std::min(kFloatValueRows, (h + 1) * head_rows - r0);
+        for (int64_t r = 0; r < n; r++) shifted[r] = outs[r0 + r] + d;
+        const float* const* p = probs.data() + r0;
+        const int64_t* seen = visible.data() + r0;
+        const int64_t offset = h * head_dim + d;
+#define SPECDEC_UNIT(R, C)                                                                  \
+  if (n == R && count == C) {                                                               \
+    weigh_values<T, R, C, true>(v_cache, slots, slot_stride, offset, p, seen, shifted);           \
+    continue;                                                                               \
+  }
+        SPECDEC_UNIT(1, 1) SPECDEC_UNIT(1, 2) SPECDEC_UNIT(1, 3)
+        SPECDEC_UNIT(2, 1) SPECDEC_UNIT(2, 2) SPECDEC_UNIT(2, 3)
+        SPECDEC_UNIT(3, 1) SPECDEC_UNIT(3, 2) SPECDEC_UNIT(3, 3)
+        SPECDEC_UNIT(4, 1) SPECDEC_UNIT(4, 2) SPECDEC_UNIT(4, 3)
+#undef SPECDEC_UNIT
+      }
+    }
+  });
+}
+
 template <typename T>
 void cached_attention_rows_vec(const T* q, int64_t q_row_stride, const T* k_cache,
                                   const T* v_cache, const int64_t* query_index,
@@ -411,6 +528,12 @@ void cached_attention_rows_vec(const T* q, int64_t q_row_stride, const T* k_cach
                                   const int64_t* c_len, T* out, int64_t groups, int64_t width,
                                   int64_t context, int64_t kv_heads, int64_t share,
                                   int64_t head_dim, float scale) {
+  if (std::is_same_v<T, float> && groups == 1 && width <= kSpreadQueries && c_len[0] >= kSpreadKeys &&
+      at::get_num_threads() > 1) {
+    cached_attention_spread(q, q_row_stride, k_cache, v_cache, query_index, key_slots, q_len[0],
+                            c_len[0], out, width, kv_heads, share, head_dim, scale);
+    return;
+  }
   const int64_t tiles = (width + kQueryTile - 1) / kQueryTile;
   const int64_t heads = kv_heads * share, chunks = head_dim / kLanes;
   const int64_t units = groups * tiles * heads;
