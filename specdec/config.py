@@ -113,8 +113,13 @@ class SamplingParams:
     bad_words: list[str] | None = None
     # transformers' generate rules (specdec.wrap passes them on), over the prompt and the output:
     suppress_tokens: list[int] | None = None  # token ids never generated
+    begin_suppress_tokens: list[int] | None = None  # token ids never generated first
     bad_words_ids: list[list[int]] | None = None  # token sequences never completed
     no_repeat_ngram_size: int = 0  # no n-gram of this many tokens occurs twice; 0 disables
+    # {token ids: bias}, or [[token ids, bias], ...]: the bias is added to the raw logit of a
+    # sequence's last token where the tokens before it end the context (one token: everywhere),
+    # before the penalties (specdec.sampling.sequence_bias_row)
+    sequence_bias: dict[tuple[int, ...], float] | None = None
     # keep only the prompt's last k tokens (vLLM's left truncation; -1: as many as the context
     # holds with room for one new token); None: a prompt too long for the context is refused
     truncate_prompt_tokens: int | None = None
@@ -270,7 +275,13 @@ class SamplingParams:
     def _check_token_rules(self) -> None:
         """The token lists and rules (allowed, bad words, transformers' rules, truncation)."""
         allowed, words, ids = self.allowed_token_ids, self.bad_words, self.bad_words_ids
-        n, k = self.no_repeat_ngram_size, self.truncate_prompt_tokens
+        n, k, begin = (
+            self.no_repeat_ngram_size,
+            self.truncate_prompt_tokens,
+            self.begin_suppress_tokens,
+        )
+        bias = self.sequence_bias
+        pairs = list(bias.items()) if isinstance(bias, dict) else bias
         for name, ok, rule in (
             ("allowed_token_ids", allowed is None or (_token_ids(allowed) and len(allowed) > 0),
              "a non-empty list of non-negative token ids"),
@@ -283,10 +294,19 @@ class SamplingParams:
                                               and all(_token_ids(w) and len(w) > 0 for w in ids)),
              "a list of non-empty lists of non-negative token ids"),
             ("no_repeat_ngram_size", _is_int(n) and n >= 0, "a non-negative integer"),
+            ("begin_suppress_tokens", begin is None or _token_ids(begin),
+             "a list of non-negative token ids"),
+            ("sequence_bias", bias is None or (isinstance(pairs, list | tuple) and all(
+                isinstance(pair, list | tuple) and len(pair) == 2 and _token_ids(pair[0])
+                and len(pair[0]) > 0 and _is_number(pair[1]) and abs(pair[1]) != float("inf")
+                for pair in pairs)),
+             "{token ids tuple: bias} or [[token ids, bias], ...], biases finite numbers"),
             ("truncate_prompt_tokens", k is None or (_is_int(k) and (k == -1 or k >= 1)),
              "-1 (as many as fit) or a positive integer"),
         ):  # fmt: skip
             _check(ok, f"{name} must be {rule}, got {getattr(self, name)!r}")
+        if pairs is not None:  # transformers' list form, as the dict it stands for
+            self.sequence_bias = {tuple(ids): float(b) for ids, b in pairs}
 
     @property
     def is_greedy(self) -> bool:

@@ -107,6 +107,8 @@ class Engine:
             ("allowed_token_ids", params.allowed_token_ids or []),
             ("suppress_tokens", params.suppress_tokens or []),
             ("bad_words_ids", [t for word in params.bad_words_ids or [] for t in word]),
+            ("begin_suppress_tokens", params.begin_suppress_tokens or []),
+            ("sequence_bias", [t for key in params.sequence_bias or {} for t in key]),
         ):
             if any(t >= self.vocab_size for t in ids):  # SamplingParams refused negative ones
                 raise ValueError(f"{name} token ids must lie in [0, {self.vocab_size})")

@@ -16,7 +16,12 @@ import transformers
 
 from specdec.config import SamplingParams
 from specdec.loader import eos_ids_of
-from specdec.sampling import apply_penalties, generate_rule_bans, process_logits_for
+from specdec.sampling import (
+    apply_penalties,
+    generate_rule_bans,
+    process_logits_for,
+    sequence_bias_row,
+)
 
 # Generation-config fields the engine does not implement, with the values that leave them off.
 UNSUPPORTED = {
@@ -25,8 +30,6 @@ UNSUPPORTED = {
     "penalty_alpha": (None,),
     "encoder_repetition_penalty": (None, 1.0),
     "force_words_ids": (None,),
-    "sequence_bias": (None,),
-    "begin_suppress_tokens": (None,),
     "forced_bos_token_id": (None,),
     "forced_eos_token_id": (None,),
     "typical_p": (None, 1.0),
@@ -120,6 +123,7 @@ def sampling_params(
     sample = bool(config.do_sample)
     eos = eos_ids_of(config)  # transformers drops a bad word that is an EOS id alone
     bad_words = [list(w) for w in config.bad_words_ids or [] if not (len(w) == 1 and w[0] in eos)]
+    begin = list(config.begin_suppress_tokens or [])
     return [
         SamplingParams(
             max_tokens=max_new,
@@ -133,6 +137,8 @@ def sampling_params(
             stop_token_ids=list(eos),
             ignore_eos=True,  # the config's EOS ids above, not the engine's, end a row
             suppress_tokens=list(config.suppress_tokens) if config.suppress_tokens else None,
+            begin_suppress_tokens=begin or None,
+            sequence_bias=config.sequence_bias or None,
             bad_words_ids=bad_words or None,
             no_repeat_ngram_size=int(config.no_repeat_ngram_size or 0),
             return_logits=bool(config.output_scores or config.output_logits),
@@ -170,9 +176,9 @@ def scores(
     outputs: list[list[int]],  # [B] each row's generated tokens
 ) -> list[torch.Tensor | None]:  # [B] each [n_b, V]
     """transformers' ``scores``, up to a constant per row: the logits after the processors
-    (``repetition_penalty`` over the prompt and the tokens before each step, ``min_new_tokens``
-    masks the EOS ids, ``suppress_tokens``, ``bad_words_ids`` and ``no_repeat_ngram_size``
-    mask what they forbid) and, when sampling, log-probabilities after the warpers (temperature,
+    (``sequence_bias`` added, ``repetition_penalty`` over the prompt and the tokens before each
+    step, ``min_new_tokens`` masks the EOS ids, ``suppress_tokens``, ``begin_suppress_tokens``,
+    ``bad_words_ids`` and ``no_repeat_ngram_size`` mask what they forbid) and, when sampling, log-probabilities after the warpers (temperature,
     top-k, top-p, min-p); ``compute_transition_scores`` gives the same log-probabilities either
     way."""
     scores: list[torch.Tensor | None] = []
@@ -181,6 +187,9 @@ def scores(
             scores.append(None)
             continue
         rows = rows.clone()
+        if sp.sequence_bias:  # first, as transformers' processors run
+            for t in range(len(rows)):
+                rows[t] += sequence_bias_row(sp.sequence_bias, prompt + output[:t], rows.shape[1])
         if sp.repetition_penalty != 1:
             for t in range(len(rows)):
                 apply_penalties(rows[t], sp, prompt, output[:t])
@@ -188,6 +197,7 @@ def scores(
             for t in range(len(rows)):
                 rows[t, generate_rule_bans(sp, prompt + output[:t])] = float("-inf")
         rows[: sp.min_tokens, sp.stop_token_ids] = float("-inf")
+        rows[:1, sp.begin_suppress_tokens or []] = float("-inf")
         if not sp.is_greedy:
             rows = process_logits_for(rows, [sp] * len(rows)).log()
         scores.append(rows)

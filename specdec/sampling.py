@@ -210,6 +210,31 @@ def generate_rule_bans(params: SamplingParams, context: Sequence[int]) -> list[i
     return banned
 
 
+def sequence_bias_row(
+    bias: dict[tuple[int, ...], float], context: Sequence[int], vocab: int
+) -> torch.Tensor:  # [vocab] float32
+    """transformers' ``SequenceBiasLogitsProcessor`` for one row, as the ``[vocab]`` float32
+    vector it adds to the raw logits after ``context`` (the prompt and the tokens generated
+    before the row): each one-token sequence's bias at its token, then, by length of the
+    tokens before the last in order of first appearance, each sequence whose other tokens end
+    ``context`` adds its bias at its last token (the same float32 additions in the same order)."""
+    row = torch.zeros(vocab)
+    singles = [(ids[0], b) for ids, b in bias.items() if len(ids) == 1]
+    if singles:
+        row[[t for t, _ in singles]] = torch.tensor([b for _, b in singles])
+    by_length: dict[int, list[tuple[tuple[int, ...], float]]] = {}
+    for ids, b in bias.items():
+        if len(ids) > 1:
+            by_length.setdefault(len(ids) - 1, []).append((ids, b))
+    for m, group in by_length.items():
+        if m > len(context):  # longer than the context: never matches
+            continue
+        tail = tuple(context[len(context) - m :])
+        matched = torch.tensor([b if ids[:-1] == tail else 0.0 for ids, b in group])
+        row.index_add_(0, torch.tensor([ids[-1] for ids, _ in group]), matched)
+    return row
+
+
 def row_argmax(rows: torch.Tensor) -> torch.Tensor:  # [N, V] -> [N] int64
     """The index of each row's largest value, the first where it ties (a NaN counts as the
     largest), as ``rows.argmax(dim=-1)``. A float32 CPU tensor goes through numpy, whose argmax

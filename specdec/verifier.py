@@ -53,6 +53,7 @@ from specdec.sampling import (
     next_tokens,
     process_logits_for,
     row_argmax,
+    sequence_bias_row,
     token_logprobs,
     word_ends,
 )
@@ -272,6 +273,8 @@ def is_unconstrained(seq: Sequence, j: int) -> bool:
         and seq.allowed_ids is None
         and not seq.bad_word_ids
         and not params.has_generate_rules
+        and not params.sequence_bias
+        and not (params.begin_suppress_tokens and seq.num_output_tokens + j == 0)
         and seq.num_output_tokens + j >= params.min_tokens
         and not params.has_penalties
         and seq.guide is None
@@ -302,9 +305,11 @@ def constrain_rows(
     """What a request's parameters do to its raw logits before any sampling step, in place, at
     draft position ``j`` (after the first ``j`` drafts, as plain decoding would have them).
 
-    ``logit_bias`` is added first; tokens outside ``allowed_token_ids``, the last token of
-    a bad word whose other tokens end the output, and what transformers' rules forbid
-    (:func:`specdec.sampling.generate_rule_bans`) get ``-inf``. A sequence still short of its
+    ``logit_bias`` is added first, then transformers' ``sequence_bias``
+    (:func:`specdec.sampling.sequence_bias_row`); tokens outside ``allowed_token_ids``, the
+    last token of a bad word whose other tokens end the output, what transformers' rules forbid
+    (:func:`specdec.sampling.generate_rule_bans`) and, first of all the output,
+    ``begin_suppress_tokens`` get ``-inf``. A sequence still short of its
     ``min_tokens`` cannot end
     there: its end-of-sequence and stop token ids get ``-inf`` logits, as transformers'
     ``MinNewTokensLengthLogitsProcessor`` and vLLM's ``min_tokens`` do. Penalties follow
@@ -316,11 +321,17 @@ def constrain_rows(
             ids = torch.tensor(list(params.logit_bias), device=logits.device)
             bias = torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype)
             logits[row, ids] += bias.to(logits.device)
+        if params.sequence_bias:  # transformers' rule, over the prompt too
+            context = seq.token_ids + seq.spec_token_ids[:j]
+            extra = sequence_bias_row(params.sequence_bias, context, logits.shape[1])
+            logits[row] += extra.to(logits.device, logits.dtype)
         if seq.allowed_ids is not None:  # a tensor: indexing by a long list is slow
             keep_only(logits[row], seq.allowed_ids.to(logits.device))
         banned = banned_word_ends(seq, j) if seq.bad_word_ids else []
         if params.has_generate_rules:  # transformers' rules, over the prompt too
             banned += generate_rule_bans(params, seq.token_ids + seq.spec_token_ids[:j])
+        if params.begin_suppress_tokens and seq.num_output_tokens + j == 0:
+            banned += params.begin_suppress_tokens
         if banned:
             logits[row, torch.tensor(banned, device=logits.device)] = float("-inf")
         if seq.num_output_tokens + j < params.min_tokens:

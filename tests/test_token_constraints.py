@@ -13,7 +13,7 @@ import transformers
 from specdec import SamplingParams, SpecConfig
 from specdec.drafters import DrafterBase
 from specdec.engine import bad_word_token_ids
-from specdec.sampling import repeated_ngram_ends
+from specdec.sampling import repeated_ngram_ends, sequence_bias_row
 from specdec.sequence import Sequence
 from specdec.verifier import banned_word_ends
 from tests.tiny import byte_tokenizer
@@ -121,6 +121,14 @@ def test_bad_word_ends_read_the_output_and_the_drafts_before_the_row():
         ("bad_words_ids", [1, 2]),
         ("no_repeat_ngram_size", -1),
         ("no_repeat_ngram_size", True),
+        ("begin_suppress_tokens", [2, -3]),
+        ("begin_suppress_tokens", 4),
+        ("sequence_bias", {(): 1.0}),
+        ("sequence_bias", {(1, -2): 1.0}),
+        ("sequence_bias", {(1,): float("inf")}),
+        ("sequence_bias", {(1,): "high"}),
+        ("sequence_bias", [[[1, 2]]]),
+        ("sequence_bias", 3.0),
     ],
 )
 def test_bad_constraints_are_refused(field, bad):
@@ -134,6 +142,15 @@ def test_allowed_ids_outside_the_vocabulary_are_refused(make_llm):
         llm.generate([[1, 2]], SamplingParams(allowed_token_ids=[1, 300]))
     with pytest.raises(ValueError, match=r"bad_words_ids token ids must lie in \[0, 300\)"):
         llm.generate([[1, 2]], SamplingParams(bad_words_ids=[[4, 5], [300]]))
+    with pytest.raises(ValueError, match=r"sequence_bias token ids must lie in \[0, 300\)"):
+        llm.generate([[1, 2]], SamplingParams(sequence_bias={(4, 300): 1.0}))
+    with pytest.raises(ValueError, match=r"begin_suppress_tokens token ids must lie in"):
+        llm.generate([[1, 2]], SamplingParams(begin_suppress_tokens=[301]))
+
+
+def test_sequence_bias_takes_transformers_list_form():
+    pairs = [[[5], -2.0], [[3, 4], 1.5]]
+    assert SamplingParams(sequence_bias=pairs).sequence_bias == {(5,): -2.0, (3, 4): 1.5}
 
 
 def generate_rules(case: str, free: list[list[int]]) -> dict:
@@ -142,15 +159,24 @@ def generate_rules(case: str, free: list[list[int]]) -> dict:
         return {"no_repeat_ngram_size": 2}
     if case == "ngram-1-suppress":
         return {"no_repeat_ngram_size": 1, "suppress_tokens": [free[0][0], free[3][2]]}
+    if case == "begin-suppress":  # alone: the greedy path must not skip it
+        return {"begin_suppress_tokens": [out[0] for out in free]}
+    if case == "sequence-bias-begin":  # a ban by bias, a nudge after two tokens, no first token
+        bias = {(free[1][2],): -100.0, tuple(free[0][3:5]): -30.0, (free[2][1], free[0][0]): 4.0}
+        return {"sequence_bias": bias, "begin_suppress_tokens": [out[0] for out in free]}
     words = [free[0][2:4], [free[1][1]], free[2][3:6]]  # words the free outputs hold
     return {"bad_words_ids": words, "no_repeat_ngram_size": 4}
 
 
-@pytest.mark.parametrize("case", ["ngram-2", "ngram-1-suppress", "bad-words-ids"])
+@pytest.mark.parametrize(
+    "case",
+    ["ngram-2", "ngram-1-suppress", "bad-words-ids", "begin-suppress", "sequence-bias-begin"],
+)
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_generate_rules_hold_the_same_with_drafters(make_llm, case, temperature):
     """transformers' rules (what specdec.wrap passes on), over the prompt and the output: no
-    n-gram twice, no bad word completed, no suppressed token, whatever drafts ran."""
+    n-gram twice, no bad word completed, no suppressed token (nor a first token suppressed at
+    the start), a sequence's bias where its first tokens end the context, whatever drafts ran."""
     params = [
         SamplingParams(temperature=temperature, seed=s, max_tokens=30, ignore_eos=True)
         for s in range(len(PROMPTS))
@@ -163,6 +189,9 @@ def test_generate_rules_hold_the_same_with_drafters(make_llm, case, temperature)
     for prompt, out in zip(PROMPTS, outputs):
         tokens = prompt + out
         assert not set(out) & set(rules.get("suppress_tokens", []))
+        assert out[0] not in rules.get("begin_suppress_tokens", [])
+        banned = [key[0] for key, b in rules.get("sequence_bias", {}).items() if b == -100]
+        assert not set(out) & set(banned)
         for end in range(max(len(prompt), n - 1), len(tokens) if n else 0):  # each new token
             gram = tokens[end - n + 1 : end + 1]
             earlier = [tokens[i : i + n] for i in range(end - n + 1)]
@@ -170,6 +199,22 @@ def test_generate_rules_hold_the_same_with_drafters(make_llm, case, temperature)
         for word in rules.get("bad_words_ids", []):
             starts = range(len(prompt) - len(word) + 1, len(tokens) - len(word) + 1)
             assert all(tokens[i : i + len(word)] != word for i in starts), "a bad word completed"
+
+
+def test_sequence_bias_row_is_transformers():
+    """Biases of one-token and longer sequences, last tokens shared, prefixes longer than the
+    context: the vector transformers' processor adds, bit for bit."""
+    rng = random.Random(1)
+    for _ in range(200):
+        bias: dict[tuple[int, ...], float] = {}
+        for _ in range(rng.randrange(1, 6)):
+            key = tuple(rng.randrange(5) for _ in range(rng.randrange(1, 4)))
+            bias[key] = rng.choice([-100.0, -2.5, 0.3, 1.7, 7.0])
+        context = [rng.randrange(5) for _ in range(rng.randrange(1, 6))]
+        processor = transformers.SequenceBiasLogitsProcessor(sequence_bias=bias)
+        logits = torch.randn(1, 5)
+        expected = processor(torch.tensor([context]), logits.clone())[0]
+        assert torch.equal(logits[0] + sequence_bias_row(bias, context, 5), expected), bias
 
 
 def test_repeated_ngram_ends_are_transformers():

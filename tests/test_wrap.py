@@ -216,8 +216,10 @@ def test_wrong_arguments_are_refused():
         fast.generate(ids, max_new_token=4)
     with pytest.raises(ValueError, match=r"num_beams=2\) is not supported"):
         fast.generate(ids, num_beams=2)
-    with pytest.raises(ValueError, match="sequence_bias"):
-        fast.generate(ids, sequence_bias={(5,): -1.0})
+    with pytest.raises(ValueError, match=r"typical_p=0.9\) is not supported"):
+        fast.generate(ids, do_sample=True, typical_p=0.9)
+    with pytest.raises(ValueError, match="sequence_bias must be"):
+        fast.generate(ids, sequence_bias={(5, -1): -1.0})
     padded, mask = left_padded(tokenizer, TEXTS[:2])
     with pytest.raises(ValueError, match="repetition_penalty with padded rows"):
         fast.generate(padded, attention_mask=mask, repetition_penalty=1.3)
@@ -379,14 +381,24 @@ def token_rules(case: str, free: torch.Tensor, prompt_len: int) -> dict:
         return {"no_repeat_ngram_size": 2}
     if case == "ngram-3-suppress":
         return {"no_repeat_ngram_size": 3, "suppress_tokens": [new[0][3], new[1][5]]}
+    if case == "sequence-bias-begin":  # transformers' list form; a prefix ending the prompt
+        bias = [
+            [[new[0][2]], -3.0],
+            [new[1][3:5], -20.0],
+            [[int(free[0, prompt_len - 1]), new[0][0]], -9.0],
+        ]
+        return {"sequence_bias": bias, "begin_suppress_tokens": [new[1][0]]}
     return {"bad_words_ids": [new[0][2:4], [new[1][1]], new[1][4:7]]}  # words the output holds
 
 
-@pytest.mark.parametrize("case", ["ngram-2", "ngram-3-suppress", "bad-words"])
+@pytest.mark.parametrize(
+    "case", ["ngram-2", "ngram-3-suppress", "bad-words", "sequence-bias-begin"]
+)
 def test_token_rules_equal_transformers(case):
-    """``no_repeat_ngram_size``, ``suppress_tokens`` and ``bad_words_ids`` (over the prompt and
-    the output, as transformers' processors read ``input_ids``): greedy output and scores equal
-    transformers', with a drafter too."""
+    """``no_repeat_ngram_size``, ``suppress_tokens``, ``bad_words_ids`` and ``sequence_bias``
+    (over the prompt and the output, as transformers' processors read ``input_ids``) and
+    ``begin_suppress_tokens``: greedy output and scores equal transformers', with a drafter
+    too."""
     model, tokenizer = model_and_tokenizer()
     ids = torch.tensor(
         [tokenizer.encode(t) for t in ("the fox and the dog", "abcde abcde abcd ab")]
