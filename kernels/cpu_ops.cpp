@@ -490,10 +490,12 @@ void cached_attention_spread(const T* q, int64_t q_row_stride, const T* k_cache,
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; r++) softmax_row(scores.get() + r * padded, visible[r]);
   });
-  // 3. values: a unit is a KV head and `piece` vectors of its dims (a cache line, at most
-  // kHeadChunks vectors), for the head's share * q_len rows, kFloatValueRows at a time
+  // 3. values: a unit is a KV head and `piece` vectors of its dims (a cache line, at most 3
+  // vectors: the cases below), for the head's share * q_len rows, kFloatValueRows at a time
+  static_assert(kFloatValueRows == 4, "the cases below take up to 4 rows");
   const int64_t vectors = head_dim / kVecLanes;
-  const int64_t piece = std::clamp<int64_t>(64 / (kVecLanes * static_cast<int64_t>(sizeof(T))), 1, kHeadChunks);
+  const int64_t line = 64 / (kVecLanes * static_cast<int64_t>(sizeof(T)));
+  const int64_t piece = std::clamp<int64_t>(line, 1, std::min<int64_t>(kHeadChunks, 3));
   const int64_t pieces = (vectors + piece - 1) / piece, head_rows = share * q_len;
   at::parallel_for(0, kv_heads * pieces, 1, [&](int64_t begin, int64_t end) {
     for (int64_t unit = begin; unit < end; unit++) {
@@ -506,10 +508,10 @@ void cached_attention_spread(const T* q, int64_t q_row_stride, const T* k_cache,
         const float* const* p = probs.data() + r0;
         const int64_t* seen = visible.data() + r0;
         const int64_t offset = h * head_dim + d;
-#define SPECDEC_UNIT(R, C)                                                                  \
-  if (n == R && count == C) {                                                               \
-    weigh_values<T, R, C, true>(v_cache, slots, slot_stride, offset, p, seen, shifted);           \
-    continue;                                                                               \
+#define SPECDEC_UNIT(R, C)                                                            \
+  if (n == R && count == C) {                                                         \
+    weigh_values<T, R, C, true>(v_cache, slots, slot_stride, offset, p, seen, shifted); \
+    continue;                                                                         \
   }
         SPECDEC_UNIT(1, 1) SPECDEC_UNIT(1, 2) SPECDEC_UNIT(1, 3)
         SPECDEC_UNIT(2, 1) SPECDEC_UNIT(2, 2) SPECDEC_UNIT(2, 3)
