@@ -64,6 +64,10 @@ class SamplingParams:
     top_p: float = 1.0  # keep the smallest set of tokens with this much mass; 1 disables
     top_k: int = 0  # keep the k most likely tokens; 0 or -1 disables
     min_p: float = 0.0  # keep tokens with at least min_p x the top probability; 0 disables
+    # transformers' warpers after min_p (specdec.wrap passes them on; see specdec.sampling):
+    typical_p: float = 1.0  # locally typical sampling's mass (Meister et al. 2022); 1 disables
+    epsilon_cutoff: float = 0.0  # drop tokens below this probability (Hewitt et al. 2022)
+    eta_cutoff: float = 0.0  # drop below min(eta, sqrt(eta) e^-entropy) (Hewitt et al. 2022)
     seed: int | None = None  # per-request generator seed: reproducible whatever else runs
     stop: list[str] = field(default_factory=list)  # stop strings, excluded from the output
     stop_token_ids: list[int] = field(default_factory=list)  # extra ids that end generation
@@ -169,6 +173,13 @@ class SamplingParams:
             _is_number(self.min_p) and 0 <= self.min_p <= 1,
             f"min_p must be a number in [0, 1], got {self.min_p!r}",
         )
+        _check(
+            _is_number(self.typical_p) and 0 < self.typical_p <= 1,
+            f"typical_p must be a number in (0, 1], got {self.typical_p!r}",
+        )
+        for name in ("epsilon_cutoff", "eta_cutoff"):
+            value = getattr(self, name)
+            _check(_is_number(value) and 0 <= value < 1, f"{name} must be in [0, 1), got {value!r}")
         for name in (
             "ignore_eos",
             "return_logits",

@@ -32,9 +32,6 @@ UNSUPPORTED = {
     "force_words_ids": (None,),
     "forced_bos_token_id": (None,),
     "forced_eos_token_id": (None,),
-    "typical_p": (None, 1.0),
-    "epsilon_cutoff": (None, 0.0),
-    "eta_cutoff": (None, 0.0),
     "guidance_scale": (None, 1.0),
     "exponential_decay_length_penalty": (None,),
     "stop_strings": (None,),
@@ -132,6 +129,9 @@ def sampling_params(
             top_k=int(config.top_k or 0) if sample else 0,
             top_p=float(config.top_p or 1.0) if sample else 1.0,
             min_p=float(config.min_p or 0.0) if sample else 0.0,
+            typical_p=float(config.typical_p if sample and config.typical_p is not None else 1.0),
+            epsilon_cutoff=float(config.epsilon_cutoff or 0.0) if sample else 0.0,
+            eta_cutoff=float(config.eta_cutoff or 0.0) if sample else 0.0,
             repetition_penalty=float(config.repetition_penalty or 1.0),  # greedy rows too
             seed=seed,
             stop_token_ids=list(eos),
@@ -178,9 +178,9 @@ def scores(
     """transformers' ``scores``, up to a constant per row: the logits after the processors
     (``sequence_bias`` added, ``repetition_penalty`` over the prompt and the tokens before each
     step, ``min_new_tokens`` masks the EOS ids, ``suppress_tokens``, ``begin_suppress_tokens``,
-    ``bad_words_ids`` and ``no_repeat_ngram_size`` mask what they forbid) and, when sampling, log-probabilities after the warpers (temperature,
-    top-k, top-p, min-p); ``compute_transition_scores`` gives the same log-probabilities either
-    way."""
+    ``bad_words_ids`` and ``no_repeat_ngram_size`` mask what they forbid) and, when sampling,
+    log-probabilities after the warpers (temperature, top-k, top-p, min-p, typical, epsilon and
+    eta); ``compute_transition_scores`` gives the same log-probabilities either way."""
     scores: list[torch.Tensor | None] = []
     for rows, sp, prompt, output in zip(logits, params, prompts, outputs):
         if rows is None:

@@ -34,8 +34,10 @@ def process_logits(
     top_k: torch.Tensor,  # [N] int; <= 0 or >= V disables
     top_p: torch.Tensor,  # [N] float in (0, 1]; 1 disables
     min_p: torch.Tensor,  # [N] float in [0, 1]; 0 disables
+    cutoffs: torch.Tensor | None = None,  # [N, 3] typical_p, epsilon, eta (see _cut_rows)
 ) -> torch.Tensor:  # [N, V] float32 probabilities
-    """Return the sampling distribution of each row after temperature, top-k, top-p and min-p."""
+    """Return the sampling distribution of each row after temperature, top-k, top-p, min-p
+    and, where ``cutoffs`` asks, transformers' typical, epsilon and eta warpers."""
     logits = logits.float()
     temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).float()
     logits = logits / temp.unsqueeze(1)
@@ -52,7 +54,50 @@ def process_logits(
         # Only rows that use min-p are renormalised: a row's bits must not depend on whether
         # another request of the batch asked for min-p.
         probs = torch.where((min_p > 0).unsqueeze(1), kept / kept.sum(dim=-1, keepdim=True), probs)
+    if cutoffs is not None:
+        used = ((cutoffs[:, 0] < 1) | (cutoffs[:, 1:] > 0).any(dim=1)).nonzero().squeeze(1)
+        if len(used):  # only those rows, each alone: no row's bits depend on the batch
+            cut = torch.cat([_cut_rows(probs[r : r + 1], cutoffs[r]) for r in used.tolist()])
+            probs = probs.index_copy(0, used.to(probs.device), cut)
     return probs
+
+
+def _cut_rows(
+    probs: torch.Tensor,  # [1, V] a row's distribution so far
+    cutoff: torch.Tensor,  # [3] typical_p (1 disables), epsilon, eta (0 disables)
+) -> torch.Tensor:  # [1, V] renormalised
+    """transformers' ``TypicalLogitsWarper`` (locally typical sampling, Meister et al., 2022:
+    keep the tokens whose surprisal is nearest the entropy until their mass reaches
+    ``typical_p``), then ``EpsilonLogitsWarper`` (drop tokens below probability ``epsilon``) and
+    ``EtaLogitsWarper`` (below ``min(eta, sqrt(eta) * exp(-entropy))``; both Hewitt et al., 2022,
+    truncation sampling), each keeping the best token, in that order, on the row's log
+    probabilities (which those warpers read through softmaxes, so they are the same scores)."""
+    scores = probs.log()
+    typical, epsilon, eta = cutoff.tolist()
+    if typical < 1:
+        normalized = scores.log_softmax(dim=-1)
+        entropy = -(normalized * normalized.exp()).nansum(-1, keepdim=True)
+        shifted, order = torch.sort((-normalized - entropy).abs(), descending=False)
+        mass = scores.gather(-1, order).softmax(dim=-1).cumsum(dim=-1)
+        last = (mass < typical).sum(dim=1).clamp_(max=shifted.shape[-1] - 1)
+        drop = shifted > shifted.gather(1, last.view(-1, 1))
+        drop[..., :1] = False  # the most typical token stays
+        scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    if epsilon > 0:
+        scores = _drop_below(scores, epsilon)
+    if eta > 0:  # in float32 tensors, as the warper computes its floor
+        entropy = torch.distributions.Categorical(logits=scores).entropy()
+        limit = torch.tensor(eta, dtype=torch.float32)
+        scores = _drop_below(
+            scores, torch.min(limit, limit.sqrt() * torch.exp(-entropy))[..., None]
+        )
+    return scores.softmax(dim=-1)
+
+
+def _drop_below(scores: torch.Tensor, floor: float | torch.Tensor) -> torch.Tensor:
+    """``-inf`` where a token's probability is below ``floor``, the best token kept."""
+    drop = (scores.softmax(dim=-1) < floor) & (scores < scores.max(dim=-1, keepdim=True).values)
+    return scores.masked_fill(drop, float("-inf"))
 
 
 def process_logits_for(
@@ -62,12 +107,16 @@ def process_logits_for(
     """:func:`process_logits` with each row's settings taken from its request."""
     settings = [(p.temperature, p.top_k, p.top_p, p.min_p) for p in params]
     temperature, top_k, top_p, min_p = torch.tensor(settings, dtype=torch.float64).T
+    cutoffs = [(p.typical_p, p.epsilon_cutoff, p.eta_cutoff) for p in params]
     return process_logits(
         logits,
         temperature.float().to(logits.device),
         top_k.long().to(logits.device),
         top_p.float().to(logits.device),
         min_p.float().to(logits.device),
+        torch.tensor(cutoffs, dtype=torch.float64)
+        if any(c != (1, 0, 0) for c in cutoffs)
+        else None,
     )
 
 

@@ -4,12 +4,15 @@ noise keyed by (seed, position)."""
 import numpy as np
 import pytest
 import torch
+import transformers
 from scipy.stats import chisquare
 
+from specdec import SamplingParams
 from specdec.sampling import (
     exponential_noise,
     noise_seed,
     process_logits,
+    process_logits_for,
     row_argmax,
     sample,
     splitmix64,
@@ -193,3 +196,35 @@ def test_top_k_top_p_on_a_large_vocabulary_keep_what_the_definition_keeps():
     assert (together[9] > 0).sum() == vocab  # 10 tokens of mass 0.012 do not reach 0.2
     assert (together[10] > 0).sum() == 3 and (together[11] > 0).sum() == 2
     assert (together[12] > 0).sum() == 1  # top_p 0.01: the best token alone
+
+
+@pytest.mark.parametrize(
+    "typical_p, epsilon, eta",
+    [(0.6, 0.0, 0.0), (1.0, 0.004, 0.0), (1.0, 0.0, 0.01), (0.9, 0.002, 0.02)],
+)
+def test_typical_epsilon_and_eta_keep_what_transformers_keeps(typical_p, epsilon, eta):
+    """transformers' warpers after temperature, top-k, top-p and min-p, on rows of 500 logits
+    of several spreads: the same tokens kept, the same probabilities; a row's bits alone are
+    its bits in a batch with rows that use none of them."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 500, generator=gen) * torch.tensor([0.5, 1, 2, 3, 5, 8])[:, None]
+    for temperature, top_k, top_p, min_p in [(1.0, 0, 1.0, 0.0), (0.7, 100, 0.95, 0.02)]:
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                typical_p=typical_p, epsilon_cutoff=epsilon, eta_cutoff=eta)  # fmt: skip
+        ours = process_logits_for(logits, [params] * len(logits))
+        warpers = [transformers.TemperatureLogitsWarper(temperature)]
+        warpers += [transformers.TopKLogitsWarper(top_k)] if top_k else []
+        warpers += [transformers.TopPLogitsWarper(top_p), transformers.MinPLogitsWarper(min_p)]
+        warpers += [transformers.TypicalLogitsWarper(typical_p)] if typical_p < 1 else []
+        warpers += [transformers.EpsilonLogitsWarper(epsilon)] if epsilon else []
+        warpers += [transformers.EtaLogitsWarper(eta)] if eta else []
+        scores = logits.clone()
+        for warper in warpers:
+            scores = warper(None, scores)
+        theirs = scores.softmax(dim=-1)
+        assert torch.equal(ours > 0, theirs > 0)
+        assert (ours > 0).sum(dim=1).lt(500).any()  # something was cut
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+        plain = SamplingParams(temperature=temperature)
+        mixed = process_logits_for(logits[:2], [params, plain])
+        assert torch.equal(mixed[0], ours[0])

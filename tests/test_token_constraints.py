@@ -266,3 +266,17 @@ def test_bad_words_take_the_spaced_spelling_where_it_is_another_word():
     ids = bad_word_token_ids(WordTokenizer(), ["very", "  ab", "good day"])
     # " ab" has another length: only "ab" (which " ab" ends with anyway)
     assert ids == [[7], [8], [1, 2], [4, 5], [6, 5]]
+
+
+@pytest.mark.parametrize(
+    "cut", [{"typical_p": 0.5}, {"epsilon_cutoff": 0.005}, {"eta_cutoff": 0.02, "top_k": 50}]
+)
+def test_transformers_warpers_sample_the_same_with_drafters(make_llm, cut):
+    """Seeded sampling with typical, epsilon or eta cut: the plain outputs, whatever drafts ran
+    (the verifier and the drafters read the same processed distribution)."""
+    params = [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=30, ignore_eos=True)
+        for s in range(len(PROMPTS))
+    ]
+    free = [o.token_ids for o in make_llm().generate(PROMPTS, params)]
+    assert same_with_drafters(make_llm, [replace(p, **cut) for p in params]) != free

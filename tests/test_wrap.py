@@ -216,8 +216,10 @@ def test_wrong_arguments_are_refused():
         fast.generate(ids, max_new_token=4)
     with pytest.raises(ValueError, match=r"num_beams=2\) is not supported"):
         fast.generate(ids, num_beams=2)
-    with pytest.raises(ValueError, match=r"typical_p=0.9\) is not supported"):
-        fast.generate(ids, do_sample=True, typical_p=0.9)
+    with pytest.raises(ValueError, match=r"penalty_alpha=0.6\) is not supported"):
+        fast.generate(ids, penalty_alpha=0.6, top_k=4)
+    with pytest.raises(ValueError, match=r"typical_p must be a number in \(0, 1\]"):
+        fast.generate(ids, do_sample=True, typical_p=1.5)
     with pytest.raises(ValueError, match="sequence_bias must be"):
         fast.generate(ids, sequence_bias={(5, -1): -1.0})
     padded, mask = left_padded(tokenizer, TEXTS[:2])
@@ -410,3 +412,30 @@ def test_token_rules_equal_transformers(case):
     assert not torch.equal(expected.sequences, free)  # the rules change the output
     fast = specdec.wrap(model, tokenizer)
     assert_greedy_equals(fast, ids, kwargs, expected)
+
+
+def test_typical_epsilon_and_eta_sampling_scores_equal_transformers():
+    """Sampled with transformers' typical, epsilon and eta warpers: each step's scores are the
+    log-probabilities of the warped distribution, and the sampled tokens lie within it."""
+    model, tokenizer = model_and_tokenizer()
+    ids = torch.tensor([tokenizer.encode(TEXTS[1])])
+    kwargs = dict(max_new_tokens=12, return_dict_in_generate=True, output_scores=True, top_k=0,
+                  typical_p=0.8, epsilon_cutoff=0.001, eta_cutoff=0.005)  # fmt: skip
+    torch.manual_seed(0)
+    sampled = specdec.wrap(model, tokenizer).generate(ids, do_sample=True, **kwargs)
+    warpers = [
+        transformers.TypicalLogitsWarper(0.8),
+        transformers.EpsilonLogitsWarper(0.001),
+        transformers.EtaLogitsWarper(0.005),
+    ]
+    with torch.no_grad():
+        logits = model(sampled.sequences).logits[0]
+    for t, ours in enumerate(sampled.scores):
+        theirs = logits[None, ids.shape[1] + t - 1].clone()
+        for warper in warpers:
+            theirs = warper(None, theirs)
+        theirs = theirs.log_softmax(-1)
+        assert torch.equal(ours.isfinite(), theirs.isfinite()), t
+        assert ours.isinf().any()  # the warpers cut something
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+        assert ours[0, sampled.sequences[0, ids.shape[1] + t]].isfinite()
