@@ -321,15 +321,17 @@ def constrain_rows(
             ids = torch.tensor(list(params.logit_bias), device=logits.device)
             bias = torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype)
             logits[row, ids] += bias.to(logits.device)
-        if params.sequence_bias:  # transformers' rule, over the prompt too
-            context = seq.token_ids + seq.spec_token_ids[:j]
+        # transformers' rules read the prompt too, and the first j drafts
+        reads_context = params.sequence_bias or params.has_generate_rules
+        context = seq.token_ids + seq.spec_token_ids[:j] if reads_context else []
+        if params.sequence_bias:
             extra = sequence_bias_row(params.sequence_bias, context, logits.shape[1])
             logits[row] += extra.to(logits.device, logits.dtype)
         if seq.allowed_ids is not None:  # a tensor: indexing by a long list is slow
             keep_only(logits[row], seq.allowed_ids.to(logits.device))
         banned = banned_word_ends(seq, j) if seq.bad_word_ids else []
-        if params.has_generate_rules:  # transformers' rules, over the prompt too
-            banned += generate_rule_bans(params, seq.token_ids + seq.spec_token_ids[:j])
+        if params.has_generate_rules:
+            banned += generate_rule_bans(params, context)
         if params.begin_suppress_tokens and seq.num_output_tokens + j == 0:
             banned += params.begin_suppress_tokens
         if banned:
