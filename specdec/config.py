@@ -1,7 +1,9 @@
-"""User-facing configuration: how to sample a request and how to size the engine.
+"""User-facing configuration: how to sample a request (the engine's sizing is
+:mod:`specdec.engine_config`).
 
-Both are dataclasses validated on construction, so a bad value fails where it is written with a
-``ValueError`` that names the field, not deep inside a forward pass.
+:class:`SamplingParams` and :class:`StructuredOutputsParams` are dataclasses validated on
+construction, so a bad value fails where it is written with a ``ValueError`` that names the
+field, not deep inside a forward pass.
 """
 
 from __future__ import annotations
@@ -9,8 +11,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 from specdec.structured.json_schema import schema_regex
 from specdec.structured.regex import check_regex
@@ -334,89 +334,6 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty) or (
             self.repetition_penalty != 1
         )
-
-
-@dataclass(slots=True)
-class EngineConfig:
-    """How the engine is sized. Terms follow vLLM: a *block* holds ``block_size`` tokens of KV."""
-
-    block_size: int = 16  # tokens per KV block
-    num_kv_blocks: int | None = None  # KV pool size; None derives it from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 1.0  # memory for target KV when num_kv_blocks is None
-    max_num_seqs: int = 64  # most sequences running in one step
-    max_num_batched_tokens: int = 1024  # token budget of one step (prefill chunks + decodes)
-    max_model_len: int | None = None  # longest prompt + output; None takes the model's limit
-    enable_prefix_caching: bool = True  # reuse full KV blocks across requests by content hash
-    # Every row's result independent of the rest of the step (bit-exact speculation, logprobs
-    # included); None: on where the CPU kernels have vector code (AVX-512, or AVX2 and FMA).
-    batch_invariant: bool | None = None
-    device: str = "auto"  # "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N"
-    # CUDA: the share of the device's memory the engine may hold (weights, activations and the
-    # KV pool, sized from what is left when num_kv_blocks is None), as vLLM's option
-    gpu_memory_utilization: float = 0.9
-    # CUDA: decode and verification steps replay captured CUDA graphs (see specdec.cuda_graphs)
-    cuda_graphs: bool = False
-    # requests without SamplingParams.seed take noise seeds drawn from a generator seeded with
-    # this, so a rerun repeats them (vLLM's LLM(seed=)); None: drawn from torch's global RNG
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        _check(self.block_size > 0, f"block_size must be positive, got {self.block_size}")
-        _check(
-            self.num_kv_blocks is None or self.num_kv_blocks > 0,
-            f"num_kv_blocks must be positive, got {self.num_kv_blocks}",
-        )
-        _check(
-            self.kv_cache_memory_gb > 0,
-            f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}",
-        )
-        _check(self.max_num_seqs > 0, f"max_num_seqs must be positive, got {self.max_num_seqs}")
-        _check(
-            self.max_num_batched_tokens > 0,
-            f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}",
-        )
-        _check(
-            self.max_model_len is None or self.max_model_len > 1,
-            f"max_model_len must be at least 2, got {self.max_model_len}",
-        )
-        _check(
-            0 < self.gpu_memory_utilization <= 1,
-            f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
-        )
-        _check(
-            self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
-            f"seed must be an integer or None, got {self.seed!r}",
-        )
-        resolve_device(self.device)  # a bad name fails here, where it was written
-
-
-def resolve_device(name: str | torch.device) -> torch.device:
-    """The device ``name`` stands for: ``"auto"`` is CUDA when torch sees a GPU, else the CPU.
-
-    Raises ``ValueError`` for an unknown name, or for CUDA where torch has none (a CPU build of
-    torch, or no visible GPU)."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except (RuntimeError, TypeError):
-        raise ValueError(
-            f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {name!r}"
-        ) from None
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {name!r}")
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise ValueError(
-                f"device {name!r}: this torch sees no CUDA GPU (torch {torch.__version__}; a CPU "
-                "build of torch, or no visible device); use device='cpu' or 'auto'"
-            )
-        if device.index is not None and device.index >= count:
-            raise ValueError(f"device {name!r}: torch sees {count} CUDA device(s)")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 def _check(ok: bool, message: str) -> None:

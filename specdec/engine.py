@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
-from specdec.config import EngineConfig, SamplingParams
+from specdec.config import SamplingParams
 from specdec.detokenizer import Detokenizer
 from specdec.drafters.base import Drafter, FinishedStep
 from specdec.drafters.policy import AdaptivePolicy
 from specdec.drafters.registry import SpecConfig, build_speculation
+from specdec.engine_config import EngineConfig
 from specdec.loader import LoadedCheckpoint, end_of_sequence_ids
 from specdec.models.llama import LlamaForCausalLM
 from specdec.outputs import RequestOutput, TokenLogprobs

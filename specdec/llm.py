@@ -16,9 +16,10 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from specdec.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
-from specdec.config import EngineConfig, SamplingParams, choice_seed, resolve_device
+from specdec.config import SamplingParams, choice_seed
 from specdec.drafters.registry import SpecConfig
 from specdec.engine import Engine
+from specdec.engine_config import EngineConfig, resolve_device
 from specdec.loader import (
     LoadedCheckpoint,
     load_checkpoint,
@@ -58,8 +59,8 @@ class LLM:
     weight; ``quantization`` (``"int8"``, ``"int4"``, ``"w8a8"``, ``"w4a8"`` or ``None``) runs
     the linears on quantized weights, weight-only or (``w*a8``) with int8 activations too (see
     :mod:`specdec.models.quant`; a GGUF file's Q4_1 and Q8_0 tensors are used as they are).
-    Engine options are the fields of :class:`~specdec.config.EngineConfig` (``max_num_seqs``,
-    ``num_kv_blocks``, ``seed``, ...); ``speculative_config`` takes vLLM's dictionary instead of
+    Engine options are the fields of :class:`~specdec.engine_config.EngineConfig`
+    (``max_num_seqs``, ``num_kv_blocks``, ``seed``, ...); ``speculative_config`` takes vLLM's dictionary instead of
     ``speculative`` (see :meth:`SpecConfig.from_vllm`).
 
     >>> llm = LLM()

@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from specdec.block_manager import BlockManager
-from specdec.config import EngineConfig
+from specdec.engine_config import EngineConfig
 from specdec.sequence import Sequence, SequenceStatus
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from specdec import LLM, SamplingParams, SpecConfig
-from specdec.config import EngineConfig, resolve_device
 from specdec.drafters import DrafterBase
 from specdec.drafters.registry import UNCHECKED_CUDA_ENV, check_drafter_device
+from specdec.engine_config import EngineConfig, resolve_device
 from specdec.runner import ATTENTION_BACKEND_ENV
 from specdec.sequence import Sequence
 from specdec.verifier import Verifier
