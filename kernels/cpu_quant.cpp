@@ -67,6 +67,11 @@ struct QuantLayout {
 #if defined(__AVX512F__)
 
 constexpr bool kWideTiles = false;  // the AVX-512 tile holds 8 rows by 16 features already
+// Tiles of up to this many rows prefetch their codes kPrefetchGroups ahead: a decode step's
+// int4 linears and int8 head are bound by reading them. Side by side, an int4 decode step of the
+// default model took 1.25x less time (5 runs of 1,200 tokens each way, AVX-512), 1.1x built
+// for AVX2 (3 runs each way, on the same Intel CPU).
+constexpr int kFloatPrefetchRows = 2;
 
 template <int R, int BITS>
 inline void quant_tile(const float* x, const float* xsum, const uint8_t* codes,
@@ -79,6 +84,9 @@ inline void quant_tile(const float* x, const float* xsum, const uint8_t* codes,
     __m512 chain[R][2];
     for (int r = 0; r < R; r++) chain[r][0] = chain[r][1] = _mm512_setzero_ps();
     const float* xg = x + g * kGroup;
+    if (R <= kFloatPrefetchRows)  // few rows: bound by reading the codes (see kFloatPrefetchRows)
+      for (int64_t line = 0; line < l.group_bytes(); line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetchGroups * l.group_bytes() + line), _MM_HINT_T0);
     if (BITS == 4) {
       // codes 0..15 as floats by table lookup: vpermps reads only an index's low 4 bits
       const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -120,6 +128,8 @@ inline void quant_tile(const float* x, const float* xsum, const uint8_t* codes,
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
+constexpr int kFloatPrefetchRows = 2;  // as on AVX-512
+
 // AVX2: the AVX-512 tile's operations, 8 features to a vector. `NH` halves of the block's 16
 // features (both for a few rows, one for more, so that a tile's sums fit in 16 registers), and
 // each lane computes what the AVX-512 lane computes, in the same order: the same bits.
@@ -133,6 +143,9 @@ inline void quant_half_tile(const float* x, const float* xsum, const uint8_t* co
   const uint8_t* c = codes + block * l.groups * l.group_bytes() + h0 * 8;
   const __m256i nibble = _mm256_set1_epi32(0x0F);
   for (int64_t g = 0; g < l.groups; g++, c += l.group_bytes()) {
+    if (R <= kFloatPrefetchRows)  // few rows: bound by reading the codes
+      for (int64_t line = 0; line < l.group_bytes(); line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetchGroups * l.group_bytes() + line), _MM_HINT_T0);
     __m256 chain[R][NH][2];
     for (int r = 0; r < R; r++)
       for (int h = 0; h < NH; h++) chain[r][h][0] = chain[r][h][1] = _mm256_setzero_ps();
