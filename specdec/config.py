@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from specdec.structured.json_schema import schema_regex
 from specdec.structured.regex import check_regex
@@ -70,6 +70,9 @@ class SamplingParams:
     eta_cutoff: float = 0.0  # drop below min(eta, sqrt(eta) e^-entropy) (Hewitt et al. 2022)
     seed: int | None = None  # per-request generator seed: reproducible whatever else runs
     stop: list[str] = field(default_factory=list)  # stop strings, excluded from the output
+    # transformers' stop strings: the output ends with the token that completes one, in the text
+    # of the prompt and the output, and keeps it (text included); not with `stop`
+    stop_strings: list[str] | None = None
     stop_token_ids: list[int] = field(default_factory=list)  # extra ids that end generation
     ignore_eos: bool = False  # keep generating past the end-of-sequence token
     # vLLM's penalties, applied to the raw logits before temperature: repetition divides a
@@ -122,8 +125,16 @@ class SamplingParams:
     no_repeat_ngram_size: int = 0  # no n-gram of this many tokens occurs twice; 0 disables
     # {token ids: bias}, or [[token ids, bias], ...]: the bias is added to the raw logit of a
     # sequence's last token where the tokens before it end the context (one token: everywhere),
-    # before the penalties (specdec.sampling.sequence_bias_row)
+    # before the penalties (specdec.token_rules.sequence_bias_row)
     sequence_bias: dict[tuple[int, ...], float] | None = None
+    # transformers' forcing rules: the row allows one token (logit 0, every other -inf) first
+    # where the prompt is one token (forced_bos_token_id), and last, at max_tokens
+    # (forced_eos_token_id: an id or a list of ids)
+    forced_bos_token_id: int | None = None
+    forced_eos_token_id: int | list[int] | None = None
+    # (start, factor): past `start` generated tokens, an end-of-sequence id's logit x gains
+    # |x| * (factor ** (generated - start) - 1) (transformers' ExponentialDecayLengthPenalty)
+    exponential_decay_length_penalty: tuple[int, float] | None = None
     # keep only the prompt's last k tokens (vLLM's left truncation; -1: as many as the context
     # holds with room for one new token); None: a prompt too long for the context is refused
     truncate_prompt_tokens: int | None = None
@@ -278,6 +289,20 @@ class SamplingParams:
                 ),
                 f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}",
             )
+        if isinstance(self.stop_strings, str):
+            self.stop_strings = [self.stop_strings]
+        strings = self.stop_strings
+        _check(
+            strings is None
+            or (
+                isinstance(strings, list | tuple) and all(isinstance(t, str) and t for t in strings)
+            ),
+            f"stop_strings must be a list of non-empty strings, got {strings!r}",
+        )
+        _check(
+            not (strings and self.stop),
+            "give stop (vLLM's: cut from the text) or stop_strings (transformers': kept), not both",
+        )
         _check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}",
@@ -293,6 +318,8 @@ class SamplingParams:
         )
         bias = self.sequence_bias
         pairs = list(bias.items()) if isinstance(bias, dict) else bias
+        bos, eos = self.forced_bos_token_id, self.forced_eos_token_id
+        decay = self.exponential_decay_length_penalty
         for name, ok, rule in (
             ("allowed_token_ids", allowed is None or (_token_ids(allowed) and len(allowed) > 0),
              "a non-empty list of non-negative token ids"),
@@ -314,10 +341,21 @@ class SamplingParams:
              "{token ids tuple: bias} or [[token ids, bias], ...], biases finite numbers"),
             ("truncate_prompt_tokens", k is None or (_is_int(k) and (k == -1 or k >= 1)),
              "-1 (as many as fit) or a positive integer"),
+            ("forced_bos_token_id", bos is None or (_is_int(bos) and bos >= 0),
+             "None or a non-negative token id"),
+            ("forced_eos_token_id", eos is None or (_is_int(eos) and eos >= 0)
+             or (isinstance(eos, list | tuple) and len(eos) > 0 and _token_ids(eos)),
+             "None, a non-negative token id or a non-empty list of them"),
+            ("exponential_decay_length_penalty", decay is None or (
+                isinstance(decay, list | tuple) and len(decay) == 2 and _is_int(decay[0])
+                and decay[0] >= 0 and _is_number(decay[1]) and 0 < decay[1] < math.inf),
+             "None or (start, factor): a non-negative integer and a finite positive number"),
         ):  # fmt: skip
             _check(ok, f"{name} must be {rule}, got {getattr(self, name)!r}")
         if pairs is not None:  # transformers' list form, as the dict it stands for
             self.sequence_bias = {tuple(ids): float(b) for ids, b in pairs}
+        if decay is not None:
+            self.exponential_decay_length_penalty = (decay[0], float(decay[1]))
 
     @property
     def is_greedy(self) -> bool:
@@ -325,9 +363,25 @@ class SamplingParams:
 
     @property
     def has_generate_rules(self) -> bool:
-        """Whether transformers' token rules (see :func:`specdec.sampling.generate_rule_bans`)
+        """Whether transformers' token rules (see :func:`specdec.token_rules.generate_rule_bans`)
         are on."""
         return bool(self.suppress_tokens or self.bad_words_ids or self.no_repeat_ngram_size)
+
+    @property
+    def forced_eos_ids(self) -> list[int]:
+        """``forced_eos_token_id`` as a list (empty when None)."""
+        eos = self.forced_eos_token_id
+        return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+    @property
+    def has_position_rules(self) -> bool:
+        """Whether transformers' forcing rules or length decay are on (see
+        :func:`specdec.token_rules.apply_position_rules`)."""
+        return (
+            self.forced_bos_token_id is not None
+            or self.forced_eos_token_id is not None
+            or self.exponential_decay_length_penalty is not None
+        )
 
     @property
     def has_penalties(self) -> bool:
@@ -341,7 +395,7 @@ def _check(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

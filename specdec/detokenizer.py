@@ -18,6 +18,10 @@ text unless ``include_stop_str_in_output``. Stop strings are looked for in the t
 completed it ended the request by length or an end-of-sequence token: the request ends as if its
 tokens had arrived one at a time, with ``finish_reason`` "stop". While a request runs, a delta
 holds back text that might still become a stop string, and an incomplete UTF-8 character.
+
+transformers' ``stop_strings`` (``SamplingParams.stop_strings``) end the request at the first
+token that completes one in the text of the prompt and the output (so one may begin in the
+prompt), and keep it, in the tokens and the text, as ``StopStringCriteria`` stops ``generate``.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ class Detokenizer:
         stops = seq.params.stop
         if stops and seq.finish_reason != "abort":
             text = self._cut_at_stop(seq, text, scheduler)
+        elif seq.params.stop_strings and seq.finish_reason != "abort":
+            text = self._end_at_stop_string(seq, text, scheduler)
         if not seq.is_finished:
             text = text[: len(text) - held_back(text, stops)]
         delta = text[len(seq.output_text) :] if text.startswith(seq.output_text) else ""
@@ -82,6 +88,33 @@ class Detokenizer:
         scheduler.finish(seq, "stop", num_output_tokens=num_tokens)
         seq.finish_reason = "stop"  # also when this step's last token ended it by length or EOS
         return text[:cut]
+
+    def _end_at_stop_string(self, seq: Sequence, text: str, scheduler: Scheduler) -> str:
+        """End ``seq`` at the first output token that completes one of its ``stop_strings``
+        (transformers' rule): of the occurrences that end in the text since the last step, the
+        one that ends first. The prompt's last tokens' text goes before the output's."""
+        strings = seq.params.stop_strings or []
+        if seq.stop_context is None:  # a token holds a character or more (or a special token)
+            tail = seq.prompt_token_ids[-max(len(s) for s in strings) :]
+            seq.stop_context = self.decode(tail, skip_special_tokens=False)
+        context = seq.stop_context
+        whole, seen = context + text, len(context) + len(seq.output_text)
+        ends = [i + len(s) for s in strings if (i := whole.find(s, max(0, seen - len(s) + 1))) >= 0]
+        if not ends:
+            return text
+        reach = min(ends) - len(context)  # the output's characters the kept tokens must hold
+        num_tokens, ids, skip = (
+            seq.num_output_tokens,
+            seq.output_token_ids,
+            seq.params.skip_special_tokens,
+        )
+        while num_tokens > 1 and len(self.decode(ids[: num_tokens - 1], skip)) >= reach:
+            num_tokens -= 1
+        if num_tokens < seq.num_output_tokens:
+            text = self.decode(ids[:num_tokens], skip)
+        scheduler.finish(seq, "stop", num_output_tokens=num_tokens)
+        seq.finish_reason = "stop"  # also when this step's last token ended it by length or EOS
+        return text
 
 
 def ended_by_stop_token(seq: Sequence) -> bool:

@@ -102,6 +102,7 @@ class Engine:
             )
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
+        bos = params.forced_bos_token_id
         for name, ids in (
             ("stop_token_ids", params.stop_token_ids),
             ("logit_bias", params.logit_bias or {}),
@@ -110,6 +111,8 @@ class Engine:
             ("bad_words_ids", [t for word in params.bad_words_ids or [] for t in word]),
             ("begin_suppress_tokens", params.begin_suppress_tokens or []),
             ("sequence_bias", [t for key in params.sequence_bias or {} for t in key]),
+            ("forced_bos_token_id", [] if bos is None else [bos]),
+            ("forced_eos_token_id", params.forced_eos_ids),
         ):
             if any(t >= self.vocab_size for t in ids):  # SamplingParams refused negative ones
                 raise ValueError(f"{name} token ids must lie in [0, {self.vocab_size})")

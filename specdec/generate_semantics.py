@@ -16,10 +16,11 @@ import transformers
 
 from specdec.config import SamplingParams
 from specdec.loader import eos_ids_of
-from specdec.sampling import (
+from specdec.sampling import process_logits_for
+from specdec.token_rules import (
     apply_penalties,
+    apply_position_rules,
     generate_rule_bans,
-    process_logits_for,
     sequence_bias_row,
 )
 
@@ -30,11 +31,7 @@ UNSUPPORTED = {
     "penalty_alpha": (None,),
     "encoder_repetition_penalty": (None, 1.0),
     "force_words_ids": (None,),
-    "forced_bos_token_id": (None,),
-    "forced_eos_token_id": (None,),
     "guidance_scale": (None, 1.0),
-    "exponential_decay_length_penalty": (None,),
-    "stop_strings": (None,),
     "max_time": (None,),
     "watermarking_config": (None,),
     "output_attentions": (None, False),
@@ -121,6 +118,8 @@ def sampling_params(
     eos = eos_ids_of(config)  # transformers drops a bad word that is an EOS id alone
     bad_words = [list(w) for w in config.bad_words_ids or [] if not (len(w) == 1 and w[0] in eos)]
     begin = list(config.begin_suppress_tokens or [])
+    forced_eos = config.forced_eos_token_id
+    decay = config.exponential_decay_length_penalty
     return [
         SamplingParams(
             max_tokens=max_new,
@@ -141,7 +140,13 @@ def sampling_params(
             sequence_bias=config.sequence_bias or None,
             bad_words_ids=bad_words or None,
             no_repeat_ngram_size=int(config.no_repeat_ngram_size or 0),
+            # transformers forces BOS where the whole (padded) input is one token
+            forced_bos_token_id=config.forced_bos_token_id if input_length == 1 else None,
+            forced_eos_token_id=list(forced_eos) if isinstance(forced_eos, list) else forced_eos,
+            exponential_decay_length_penalty=tuple(decay) if decay is not None else None,
             return_logits=bool(config.output_scores or config.output_logits),
+            stop_strings=config.stop_strings or None,  # in the text of every token, as
+            skip_special_tokens=False,  # transformers' StopStringCriteria reads it
         )
         for seed in seeds
     ]
@@ -178,7 +183,8 @@ def scores(
     """transformers' ``scores``, up to a constant per row: the logits after the processors
     (``sequence_bias`` added, ``repetition_penalty`` over the prompt and the tokens before each
     step, ``min_new_tokens`` masks the EOS ids, ``suppress_tokens``, ``begin_suppress_tokens``,
-    ``bad_words_ids`` and ``no_repeat_ngram_size`` mask what they forbid) and, when sampling,
+    ``bad_words_ids`` and ``no_repeat_ngram_size`` mask what they forbid, the forcing rules and
+    ``exponential_decay_length_penalty``) and, when sampling,
     log-probabilities after the warpers (temperature, top-k, top-p, min-p, typical, epsilon and
     eta); ``compute_transition_scores`` gives the same log-probabilities either way."""
     scores: list[torch.Tensor | None] = []
@@ -198,6 +204,9 @@ def scores(
                 rows[t, generate_rule_bans(sp, prompt + output[:t])] = float("-inf")
         rows[: sp.min_tokens, sp.stop_token_ids] = float("-inf")
         rows[:1, sp.begin_suppress_tokens or []] = float("-inf")
+        if sp.has_position_rules:  # last, as the engine applies them (see constrain_rows)
+            for t in range(len(rows)):
+                apply_position_rules(rows[t], sp, t, len(prompt), sp.stop_token_ids)
         if not sp.is_greedy:
             rows = process_logits_for(rows, [sp] * len(rows)).log()
         scores.append(rows)

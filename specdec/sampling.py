@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from specdec.config import SamplingParams
@@ -193,95 +192,6 @@ def _cut_among_best(
     k_settled = ~use_k | (best[:, -1] < k_cut) | whole
     p_settled = ~use_p | (num_kept < size) | whole
     return k_settled & p_settled, torch.maximum(k_cut, p_cut)
-
-
-def apply_penalties(
-    logits: torch.Tensor,  # [V] one row's raw logits, penalised in place
-    params: SamplingParams,  # the row's request
-    prompt: Sequence[int],  # its prompt
-    output: Sequence[int],  # the tokens generated before the row
-) -> None:
-    """vLLM's repetition, presence and frequency penalties on one row.
-
-    Repetition (Keskar et al. 2019, "CTRL", as transformers' ``RepetitionPenaltyLogitsProcessor``
-    applies it): a token of the prompt or of the output has a positive logit divided by the
-    penalty, a negative one multiplied by it. Presence and frequency (OpenAI's definitions, on
-    the output only): ``logit -= frequency * count + presence`` for every token generated before
-    the row. A row's history is that of plain decoding at its position, so that verification
-    (whose row ``j`` follows ``j`` drafts) decides the token plain decoding would.
-    """
-    device = logits.device
-    if params.repetition_penalty != 1:
-        seen = torch.tensor(sorted({*prompt, *output}), dtype=torch.long).to(device)
-        values, penalty = logits[seen], params.repetition_penalty
-        logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
-    if output and (params.presence_penalty or params.frequency_penalty):
-        ids, counts = torch.tensor(list(output), dtype=torch.long).unique(return_counts=True)
-        amount = params.frequency_penalty * counts.to(logits.dtype) + params.presence_penalty
-        logits[ids.to(device)] -= amount.to(device)
-
-
-def word_ends(words: Sequence[Sequence[int]], context: Sequence[int]) -> list[int]:
-    """The last token of each word (a token sequence) whose other tokens end ``context``; a
-    one-token word always: the tokens that would complete a word next."""
-    ends = []
-    for word in words:
-        m = len(word) - 1
-        if m == 0 or (len(context) >= m and list(context[len(context) - m :]) == list(word[:m])):
-            ends.append(word[m])
-    return ends
-
-
-def repeated_ngram_ends(context: Sequence[int], n: int) -> list[int]:
-    """The tokens that would complete an ``n``-gram already in ``context``: those that followed
-    an earlier occurrence of its last ``n - 1`` tokens (transformers'
-    ``NoRepeatNGramLogitsProcessor``)."""
-    m = n - 1
-    tokens = np.asarray(context, dtype=np.int64)
-    if m == 0:
-        return np.unique(tokens).tolist()
-    if len(tokens) <= m:  # no n-gram yet
-        return []
-    windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], m)  # [L - m, m] prefixes
-    hits = np.flatnonzero((windows == tokens[len(tokens) - m :]).all(axis=1))
-    return np.unique(tokens[hits + m]).tolist()
-
-
-def generate_rule_bans(params: SamplingParams, context: Sequence[int]) -> list[int]:
-    """The tokens transformers' ``suppress_tokens``, ``bad_words_ids`` and
-    ``no_repeat_ngram_size`` forbid after ``context`` (the prompt and the tokens generated
-    before the row): what :mod:`specdec.wrap` passes on from ``generate``."""
-    banned = list(params.suppress_tokens or [])
-    if params.bad_words_ids:
-        banned += word_ends(params.bad_words_ids, context)
-    if params.no_repeat_ngram_size:
-        banned += repeated_ngram_ends(context, params.no_repeat_ngram_size)
-    return banned
-
-
-def sequence_bias_row(
-    bias: dict[tuple[int, ...], float], context: Sequence[int], vocab: int
-) -> torch.Tensor:  # [vocab] float32
-    """transformers' ``SequenceBiasLogitsProcessor`` for one row, as the ``[vocab]`` float32
-    vector it adds to the raw logits after ``context`` (the prompt and the tokens generated
-    before the row): each one-token sequence's bias at its token, then, by length of the
-    tokens before the last in order of first appearance, each sequence whose other tokens end
-    ``context`` adds its bias at its last token (the same float32 additions in the same order)."""
-    row = torch.zeros(vocab)
-    singles = [(ids[0], b) for ids, b in bias.items() if len(ids) == 1]
-    if singles:
-        row[[t for t, _ in singles]] = torch.tensor([b for _, b in singles])
-    by_length: dict[int, list[tuple[tuple[int, ...], float]]] = {}
-    for ids, b in bias.items():
-        if len(ids) > 1:
-            by_length.setdefault(len(ids) - 1, []).append((ids, b))
-    for m, group in by_length.items():
-        if m > len(context):  # longer than the context: never matches
-            continue
-        tail = tuple(context[len(context) - m :])
-        matched = torch.tensor([b if ids[:-1] == tail else 0.0 for ids, b in group])
-        row.index_add_(0, torch.tensor([ids[-1] for ids, _ in group]), matched)
-    return row
 
 
 def row_argmax(rows: torch.Tensor) -> torch.Tensor:  # [N, V] -> [N] int64

@@ -74,6 +74,8 @@ class Sequence:
     finish_reason: str | None = None  # "stop" or "length" once finished
     num_returned_tokens: int = 0  # output tokens already handed back in deltas
     output_text: str = ""  # detokenized output so far (stop strings already cut off)
+    # with SamplingParams.stop_strings: the text of the prompt's last tokens, where one may begin
+    stop_context: str | None = None
     # incremental detokenization (vLLM's): the output's text through output token read_offset,
     # whose tokens from prefix_offset on are decoded again next step as context
     decoded_text: str = ""

@@ -47,18 +47,23 @@ from specdec.kernels.rejection import verify_row_tokens_triton
 from specdec.outputs import TokenLogprobs
 from specdec.runner import StepResult
 from specdec.sampling import (
-    apply_penalties,
     exponential_noise,
-    generate_rule_bans,
     next_tokens,
     process_logits_for,
     row_argmax,
-    sequence_bias_row,
     token_logprobs,
-    word_ends,
 )
 from specdec.scheduler import SchedulerOutput
 from specdec.sequence import Sequence
+from specdec.token_rules import (
+    apply_penalties,
+    apply_position_rules,
+    decays_length,
+    forced_tokens,
+    generate_rule_bans,
+    sequence_bias_row,
+    word_ends,
+)
 from specdec.verify import BACKENDS
 
 
@@ -168,11 +173,16 @@ class Verifier:
         starts = [0, *itertools.accumulate(num_rows)]  # first row of each sequence
         tokens: list[list[int]] = [[] for _ in seqs]
         live = list(range(len(seqs)))  # sequences whose drafts so far were all accepted
-        # Greedy rows that nothing constrains (at position 0, so at every later one: only
-        # min_tokens depends on the position) take the argmax of their raw rows: all rows at once,
-        # in place, instead of a copy of each position's rows (38 us a row of the default model).
+        # Greedy rows that nothing constrains (at position 0, so at every later one: of the
+        # rules that depend on the position, min_tokens only ever lifts and begin_suppress_tokens
+        # holds at 0 alone; the forcing rules and length decay are left to the row-by-row walk)
+        # take the argmax of their raw rows: all rows at once, in place, instead of a copy of
+        # each position's rows (38 us a row of the default model).
         argmax = None
-        if all(seq.params.is_greedy and is_unconstrained(seq, 0) for seq in seqs):
+        if all(
+            seq.params.is_greedy and is_unconstrained(seq, 0) and not seq.params.has_position_rules
+            for seq in seqs
+        ):
             argmax = row_argmax(logits).tolist()
         j = 0  # draft position
         while live:
@@ -275,10 +285,19 @@ def is_unconstrained(seq: Sequence, j: int) -> bool:
         and not params.has_generate_rules
         and not params.sequence_bias
         and not (params.begin_suppress_tokens and seq.num_output_tokens + j == 0)
+        and forced_tokens(params, seq.num_output_tokens + j, seq.num_prompt_tokens) is None
+        and not decays_length(params, seq.num_output_tokens + j)
         and seq.num_output_tokens + j >= params.min_tokens
         and not params.has_penalties
         and seq.guide is None
     )
+
+
+def ending_ids(seq: Sequence) -> list[int]:
+    """The token ids that end ``seq``: its ``stop_token_ids`` and, unless ``ignore_eos``, its
+    end-of-sequence ids (what ``min_tokens`` forbids and the length decay raises)."""
+    eos = () if seq.params.ignore_eos else seq.eos_token_ids
+    return [*seq.params.stop_token_ids, *eos]
 
 
 def banned_word_ends(seq: Sequence, j: int) -> list[int]:
@@ -306,15 +325,16 @@ def constrain_rows(
     draft position ``j`` (after the first ``j`` drafts, as plain decoding would have them).
 
     ``logit_bias`` is added first, then transformers' ``sequence_bias``
-    (:func:`specdec.sampling.sequence_bias_row`); tokens outside ``allowed_token_ids``, the
+    (:func:`specdec.token_rules.sequence_bias_row`); tokens outside ``allowed_token_ids``, the
     last token of a bad word whose other tokens end the output, what transformers' rules forbid
-    (:func:`specdec.sampling.generate_rule_bans`) and, first of all the output,
-    ``begin_suppress_tokens`` get ``-inf``. A sequence still short of its
-    ``min_tokens`` cannot end
-    there: its end-of-sequence and stop token ids get ``-inf`` logits, as transformers'
-    ``MinNewTokensLengthLogitsProcessor`` and vLLM's ``min_tokens`` do. Penalties follow
-    (:func:`specdec.sampling.apply_penalties`), then a guide's (``choice``, ``regex``,
-    ``json_schema``): every token it does not allow there gets ``-inf``."""
+    (:func:`specdec.token_rules.generate_rule_bans`) and, first of all the output,
+    ``begin_suppress_tokens`` get ``-inf``. A sequence still short of its ``min_tokens``
+    cannot end there: its end-of-sequence and stop token ids get ``-inf`` logits, as
+    transformers' ``MinNewTokensLengthLogitsProcessor`` and vLLM's ``min_tokens`` do. Penalties follow
+    (:func:`specdec.token_rules.apply_penalties`), then transformers' forcing rules and length
+    decay (:func:`specdec.token_rules.apply_position_rules`: a forced token is allowed whatever
+    came before), then a guide's (``choice``, ``regex``, ``json_schema``): every token it does
+    not allow there gets ``-inf``."""
     for row, (seq, j) in enumerate(zip(seqs, positions)):
         params = seq.params
         if params.logit_bias:
@@ -337,11 +357,18 @@ def constrain_rows(
         if banned:
             logits[row, torch.tensor(banned, device=logits.device)] = float("-inf")
         if seq.num_output_tokens + j < params.min_tokens:
-            eos = () if params.ignore_eos else seq.eos_token_ids
-            logits[row, [*params.stop_token_ids, *eos]] = float("-inf")
+            logits[row, ending_ids(seq)] = float("-inf")
         if params.has_penalties:  # the drafts before row j count as generated
             output = seq.output_token_ids + seq.spec_token_ids[:j]
             apply_penalties(logits[row], params, seq.prompt_token_ids, output)
+        if params.has_position_rules:
+            apply_position_rules(
+                logits[row],
+                params,
+                seq.num_output_tokens + j,
+                seq.num_prompt_tokens,
+                ending_ids(seq),
+            )
         allowed = seq.allowed_tokens(j)  # None without a guide
         if isinstance(allowed, torch.Tensor):  # a [V] mask
             logits[row].masked_fill_(~allowed.to(logits.device), float("-inf"))

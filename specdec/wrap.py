@@ -116,6 +116,7 @@ class WrappedModel:
         """``transformers``' ``generate`` (decoder-only, greedy or sampled), on the engine."""
         input_ids = kwargs.pop("input_ids", None) if inputs is None else inputs
         attention_mask = kwargs.pop("attention_mask", None)
+        kwargs.pop("tokenizer", None)  # for stop_strings; the engine has the model's own
         prompt_lookup = kwargs.pop("prompt_lookup_num_tokens", None)
         # asked for by the caller, not filled in from transformers' defaults (a constant 20)
         num_assistant_tokens = kwargs.get(

@@ -16,6 +16,7 @@ from tests.test_speculative import ScriptedDrafter
 from tests.tiny import byte_tokenizer
 
 PROMPT = [84, 85, 86, 5]  # the tiny model's greedy output has plain characters where needed
+STOP_PROMPT = [65, 66, 67, 69]  # "bcdf", then plain characters first: ".s>"
 MAX_TOKENS = 19  # with 5 drafts accepted per step, tokens arrive as 1, 7, 13, 19: 14..19 together
 
 
@@ -106,6 +107,76 @@ def test_a_stop_string_in_the_step_that_ends_by_length_still_stops(make_llm, spe
     streamed = list(llm.stream(PROMPT, params))
     assert "".join(d.text for d in streamed) == expected_text
     assert streamed[-1].finish_reason == "stop"
+
+
+def clean(text: str, start: int, length: int) -> str:
+    """The first ``length`` characters of ``text`` from ``start`` on holding no incomplete one."""
+    for i in range(start, len(text) - length + 1):
+        if "\ufffd" not in text[i : i + length]:
+            return text[i : i + length]
+    raise AssertionError(f"no clean {length} characters in {text!r} from {start}")
+
+
+def kept_by_transformers(decode, prompt: list[int], tokens: list[int], strings) -> int:  # noqa: ANN001
+    """How many of ``tokens`` transformers' ``StopStringCriteria`` keeps (brute force): through
+    the first whose text completes an occurrence, in the prompt's and output's text, that ends in
+    the output."""
+    context = decode(prompt)
+    for n in range(1, len(tokens) + 1):
+        whole = context + decode(tokens[:n])
+        for s in strings:
+            if any(whole.startswith(s, i) for i in range(len(context) - len(s) + 1, len(whole))):
+                return n
+    return len(tokens)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+@pytest.mark.parametrize("case", ["from-the-prompt", "inside", "first-to-end"])
+def test_stop_strings_end_at_the_token_that_completes_one(make_llm, speculative, case):
+    """transformers' ``stop_strings``: the output ends with the token that completes one, its
+    text kept; one may begin in the prompt; of two, the one that ends first wins; the same when
+    a verification step brings tokens past it."""
+    spec = {"drafter": "prompt_lookup", "num_speculative_tokens": 5, "adaptive": False}
+    llm = make_llm(**({"speculative": spec} if speculative else {}))
+    free = llm.generate(
+        [STOP_PROMPT], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    )[0]
+    if speculative:  # accept every draft: steps bring six tokens
+        llm.engine.drafter = ScriptedDrafter({tuple(STOP_PROMPT): free.token_ids}, k=5, wrong_at=5)
+    decode = llm.engine.detokenizer.decode
+    prompt_text = decode(STOP_PROMPT)
+    if case == "from-the-prompt":
+        strings = [prompt_text[-2:] + clean(free.text, 0, 2)]
+        assert free.text.startswith(strings[0][2:])  # the first clean characters open it
+    elif case == "inside":
+        strings = [clean(free.text, 8, 3)]
+    else:
+        strings = [clean(free.text, 0, 3)]  # ".s>": tokens 1 to 3, the last two in one step
+        strings.append(strings[0][1])  # "s", inside the first: it ends first
+    params = SamplingParams(
+        temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, stop_strings=strings
+    )
+    out = llm.generate([STOP_PROMPT], params)[0]
+    n = kept_by_transformers(decode, STOP_PROMPT, free.token_ids, strings)
+    assert n < len(free.token_ids)
+    assert out.token_ids == free.token_ids[:n] and out.finish_reason == "stop"
+    assert out.text == decode(free.token_ids[:n])  # kept in the text
+    streamed = list(llm.stream(STOP_PROMPT, params))
+    assert "".join(d.text for d in streamed) == out.text
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"stop_strings": [""]}, "stop_strings must be"),
+        ({"stop_strings": [3]}, "stop_strings must be"),
+        ({"stop_strings": ["a"], "stop": ["b"]}, "not both"),
+    ],
+)
+def test_bad_stop_strings_are_refused(options, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**options)
+    assert SamplingParams(stop_strings="ab").stop_strings == ["ab"]
 
 
 def metaspace_tokenizer() -> PreTrainedTokenizerFast:

@@ -1,5 +1,6 @@
 """``allowed_token_ids`` and ``bad_words`` (vLLM's), and transformers' ``no_repeat_ngram_size``,
-``bad_words_ids`` and ``suppress_tokens``: what they keep out of the output, the same
+``bad_words_ids``, ``suppress_tokens``, forcing rules and length decay: what they keep out of
+(or put in) the output, the same
 output with a drafter as without (verification row j bans with the first j drafts counted), and
 clear errors for bad values."""
 
@@ -13,8 +14,8 @@ import transformers
 from specdec import SamplingParams, SpecConfig
 from specdec.drafters import DrafterBase
 from specdec.engine import bad_word_token_ids
-from specdec.sampling import repeated_ngram_ends, sequence_bias_row
 from specdec.sequence import Sequence
+from specdec.token_rules import apply_position_rules, repeated_ngram_ends, sequence_bias_row
 from specdec.verifier import banned_word_ends
 from tests.tiny import byte_tokenizer
 
@@ -129,6 +130,16 @@ def test_bad_word_ends_read_the_output_and_the_drafts_before_the_row():
         ("sequence_bias", {(1,): "high"}),
         ("sequence_bias", [[[1, 2]]]),
         ("sequence_bias", 3.0),
+        ("forced_bos_token_id", -1),
+        ("forced_bos_token_id", [3]),
+        ("forced_eos_token_id", []),
+        ("forced_eos_token_id", [1, -2]),
+        ("forced_eos_token_id", True),
+        ("exponential_decay_length_penalty", (3,)),
+        ("exponential_decay_length_penalty", (-1, 1.5)),
+        ("exponential_decay_length_penalty", (2, 0.0)),
+        ("exponential_decay_length_penalty", (2, float("inf"))),
+        ("exponential_decay_length_penalty", (2.5, 1.5)),
     ],
 )
 def test_bad_constraints_are_refused(field, bad):
@@ -146,6 +157,10 @@ def test_allowed_ids_outside_the_vocabulary_are_refused(make_llm):
         llm.generate([[1, 2]], SamplingParams(sequence_bias={(4, 300): 1.0}))
     with pytest.raises(ValueError, match=r"begin_suppress_tokens token ids must lie in"):
         llm.generate([[1, 2]], SamplingParams(begin_suppress_tokens=[301]))
+    with pytest.raises(ValueError, match=r"forced_eos_token_id token ids must lie in"):
+        llm.generate([[1, 2]], SamplingParams(forced_eos_token_id=[3, 300]))
+    with pytest.raises(ValueError, match=r"forced_bos_token_id token ids must lie in"):
+        llm.generate([[1, 2]], SamplingParams(forced_bos_token_id=300))
 
 
 def test_sequence_bias_takes_transformers_list_form():
@@ -280,3 +295,70 @@ def test_transformers_warpers_sample_the_same_with_drafters(make_llm, cut):
     ]
     free = [o.token_ids for o in make_llm().generate(PROMPTS, params)]
     assert same_with_drafters(make_llm, [replace(p, **cut) for p in params]) != free
+
+
+def test_position_rules_are_transformers():
+    """Forced BOS and EOS and the exponential length decay on random rows (end-of-sequence
+    logits negative, positive and -inf): the values of transformers' processors, bit for bit."""
+    rng = random.Random(2)
+    fired = 0
+    for _ in range(300):
+        prompt_len, generated = rng.choice([1, 1, 3]), rng.randrange(0, 8)
+        max_tokens = generated + rng.randrange(1, 3)
+        bos, eos_ids = rng.choice([None, 4]), rng.sample(range(6), rng.randrange(1, 3))
+        forced_eos = rng.choice([None, 2, [1, 5]])
+        decay = rng.choice([None, (2, 1.3), (0, 0.7), (5, 2.0)])
+        params = SamplingParams(max_tokens=max_tokens, forced_bos_token_id=bos,
+                                forced_eos_token_id=forced_eos,
+                                exponential_decay_length_penalty=decay)  # fmt: skip
+        row = torch.randn(6) * 5
+        if rng.random() < 0.3:
+            row[rng.choice(eos_ids)] = float("-inf")
+        processors = []
+        if bos is not None:
+            processors.append(transformers.ForcedBOSTokenLogitsProcessor(bos))
+        if forced_eos is not None:
+            processors.append(
+                transformers.ForcedEOSTokenLogitsProcessor(prompt_len + max_tokens, forced_eos)
+            )
+        if decay is not None:
+            processors.append(
+                transformers.ExponentialDecayLengthPenalty(decay, eos_ids, prompt_len)
+            )
+        expected = row[None].clone()
+        for processor in processors:
+            expected = processor(torch.zeros(1, prompt_len + generated, dtype=torch.long), expected)
+        ours = row.clone()
+        apply_position_rules(ours, params, generated, prompt_len, eos_ids)
+        assert torch.equal(ours, expected[0]), (params, generated, prompt_len)
+        fired += not torch.equal(ours, row)
+    assert fired > 100
+
+
+@pytest.mark.parametrize("case", ["forced", "decay"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_forcing_rules_and_length_decay_hold_the_same_with_drafters(make_llm, case, temperature):
+    """transformers' ``forced_bos_token_id`` (the one-token prompt's first token),
+    ``forced_eos_token_id`` (the last token) and ``exponential_decay_length_penalty`` (the stop
+    id's logit raised until it ends the output): the same output whatever drafts ran."""
+    params = [
+        SamplingParams(temperature=temperature, seed=s, max_tokens=30, ignore_eos=True)
+        for s in range(len(PROMPTS))
+    ]
+    free = [o.token_ids for o in make_llm().generate(PROMPTS, params)]
+    stop = free[1][6]
+    if case == "forced":
+        rules: dict = {"forced_bos_token_id": 9, "forced_eos_token_id": [free[0][5], 11]}
+    else:
+        rules = {"exponential_decay_length_penalty": (4, 1.8), "stop_token_ids": [stop]}
+    outputs = same_with_drafters(make_llm, [replace(p, **rules) for p in params])
+    if case == "decay":  # the stop id alone ends outputs too: the decay must end them sooner
+        stopped = make_llm().generate(PROMPTS, [replace(p, stop_token_ids=[stop]) for p in params])
+        free = [o.token_ids for o in stopped]
+    assert outputs != free
+    for prompt, out, alone in zip(PROMPTS, outputs, free):
+        if case == "forced":
+            assert len(out) == 30 and out[-1] in rules["forced_eos_token_id"]
+            assert (out[0] == 9) == (len(prompt) == 1)
+        else:
+            assert len(out) <= len(alone) and out[-1] == stop and stop not in out[:-1]

@@ -1,6 +1,6 @@
 """``specdec.wrap`` with transformers' logits processors and warpers (repetition penalty, token
-rules, sequence bias, typical, epsilon and eta sampling): outputs and scores equal
-transformers', with drafts too."""
+rules, sequence bias, forcing rules, length decay, typical, epsilon and eta sampling): outputs
+and scores equal transformers', with drafts too."""
 
 from __future__ import annotations
 
@@ -107,3 +107,49 @@ def test_typical_epsilon_and_eta_sampling_scores_equal_transformers():
         assert ours.isinf().any()  # the warpers cut something
         torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
         assert ours[0, sampled.sequences[0, ids.shape[1] + t]].isfinite()
+
+
+@pytest.mark.parametrize("case", ["forced", "decay"])
+def test_forcing_rules_and_length_decay_equal_transformers(case):
+    """``forced_bos_token_id`` (one-token inputs), ``forced_eos_token_id`` and
+    ``exponential_decay_length_penalty`` (an EOS id from the output, raised until it ends the
+    rows): greedy output and scores equal transformers', with a drafter too."""
+    model, tokenizer = model_and_tokenizer()
+    if case == "forced":  # inputs of one token: transformers forces BOS only then
+        ids = torch.tensor([tokenizer.encode("t"), tokenizer.encode("a")])
+    else:
+        ids = torch.tensor(
+            [tokenizer.encode(t) for t in ("the fox and the dog", "abcde abcde abcd ab")]
+        )
+    base = dict(max_new_tokens=20)
+    free = model.generate(ids, do_sample=False, **base)
+    new = free[:, ids.shape[1] :].tolist()
+    if case == "forced":
+        rules: dict = {"forced_bos_token_id": new[0][2], "forced_eos_token_id": [new[1][4], 3]}
+    else:
+        base["eos_token_id"] = new[1][9]  # the unconstrained run ends here too: compare with it
+        free = model.generate(ids, do_sample=False, **base)
+        rules = {"exponential_decay_length_penalty": (2, 1.6)}
+    kwargs = dict(return_dict_in_generate=True, output_scores=True, **base, **rules)
+    expected = model.generate(ids, do_sample=False, **kwargs)
+    assert not torch.equal(expected.sequences, free)  # the rules change the output
+    fast = specdec.wrap(model, tokenizer)
+    assert_greedy_equals(fast, ids, kwargs, expected)
+
+
+@pytest.mark.parametrize("strings", [["s!"], ["dogI"], [",\x1c", "&;"]])
+def test_stop_strings_equal_transformers(strings):
+    """``stop_strings`` (with ``tokenizer=``, as transformers asks): each row ends with the token
+    that completes one, one may begin in the prompt ("dog" + "I"), and the sequences equal
+    transformers', with a drafter too."""
+    model, tokenizer = model_and_tokenizer()
+    ids = torch.tensor(
+        [tokenizer.encode(t) for t in ("the fox and the dog", "abcde abcde abcd ab")]
+    )
+    kwargs = dict(max_new_tokens=24, stop_strings=strings, tokenizer=tokenizer)
+    expected = model.generate(ids, do_sample=False, **kwargs)
+    free = model.generate(ids, do_sample=False, max_new_tokens=24)
+    assert not torch.equal(expected, free)  # a row stopped early
+    fast = specdec.wrap(model, tokenizer)
+    for extra in ({}, {"prompt_lookup_num_tokens": 3}):
+        assert torch.equal(fast.generate(ids, do_sample=False, **kwargs, **extra), expected)
