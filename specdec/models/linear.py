@@ -51,12 +51,21 @@ def can_prepack(dtype: torch.dtype) -> bool:
     )
 
 
+def onednn_keeps_rows() -> bool:
+    """Whether oneDNN's bf16 GEMM keeps each row's bits across calls of up to
+    ``INVARIANT_TILE_ROWS`` rows here, as the fallback without the C++ kernels needs: on AMX
+    CPUs. On an AVX-512 CPU without AMX or BF16 a 576 -> 960 linear's rows changed with the row
+    count, as did the rows of oneDNN's bf16 attention matmuls."""
+    return can_prepack(torch.bfloat16) and "amx_bf16" in cpu_ops.cpu_flags().split()
+
+
 def can_batch_invariant(dtype: torch.dtype) -> bool:
     """Whether ``dtype`` linears and attention can run batch-invariant here: float32 and bf16 on
-    the C++ kernels (any x86-64 CPU they build for), or bf16 on oneDNN's packed weights."""
+    the C++ kernels (any x86-64 CPU they build for), or bf16 on oneDNN's packed weights where it
+    keeps rows' bits (:func:`onednn_keeps_rows`)."""
     if dtype == torch.float32:
         return cpu_ops.enabled()
-    return dtype == torch.bfloat16 and (cpu_ops.enabled() or can_prepack(dtype))
+    return dtype == torch.bfloat16 and (cpu_ops.enabled() or onednn_keeps_rows())
 
 
 def batch_invariant_by_default(dtype: torch.dtype) -> bool:
