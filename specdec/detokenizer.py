@@ -77,7 +77,12 @@ class Detokenizer:
         # holds all of it, when it stays in the text).
         include = seq.params.include_stop_str_in_output
         cut = at - minus_length if include else at
-        reach = cut if include else cut + 1
+        self._finish_within(seq, cut if include else cut + 1, scheduler)
+        return text[:cut]
+
+    def _finish_within(self, seq: Sequence, reach: int, scheduler: Scheduler) -> int:
+        """Finish ``seq`` ("stop") keeping the fewest output tokens whose text holds ``reach``
+        characters; return how many."""
         num_tokens, ids, skip = (
             seq.num_output_tokens,
             seq.output_token_ids,
@@ -87,7 +92,7 @@ class Detokenizer:
             num_tokens -= 1
         scheduler.finish(seq, "stop", num_output_tokens=num_tokens)
         seq.finish_reason = "stop"  # also when this step's last token ended it by length or EOS
-        return text[:cut]
+        return num_tokens
 
     def _end_at_stop_string(self, seq: Sequence, text: str, scheduler: Scheduler) -> str:
         """End ``seq`` at the first output token that completes one of its ``stop_strings``
@@ -102,18 +107,10 @@ class Detokenizer:
         ends = [i + len(s) for s in strings if (i := whole.find(s, max(0, seen - len(s) + 1))) >= 0]
         if not ends:
             return text
-        reach = min(ends) - len(context)  # the output's characters the kept tokens must hold
-        num_tokens, ids, skip = (
-            seq.num_output_tokens,
-            seq.output_token_ids,
-            seq.params.skip_special_tokens,
-        )
-        while num_tokens > 1 and len(self.decode(ids[: num_tokens - 1], skip)) >= reach:
-            num_tokens -= 1
-        if num_tokens < seq.num_output_tokens:
-            text = self.decode(ids[:num_tokens], skip)
-        scheduler.finish(seq, "stop", num_output_tokens=num_tokens)
-        seq.finish_reason = "stop"  # also when this step's last token ended it by length or EOS
+        before = seq.num_output_tokens
+        kept = self._finish_within(seq, min(ends) - len(context), scheduler)
+        if kept < before:  # the text of the tokens kept
+            return self.decode(seq.output_token_ids, seq.params.skip_special_tokens)
         return text
 
 
