@@ -1,11 +1,12 @@
 """specdec: exact speculative decoding on a paged-KV, continuously batched runtime."""
 
 from specdec.beam_search import BeamSearchOutput, BeamSearchParams
-from specdec.config import SamplingParams, StructuredOutputsParams
+from specdec.config import SamplingParams
 from specdec.drafters.registry import SpecConfig
 from specdec.engine_config import EngineConfig
 from specdec.llm import LLM, ChatOptions
 from specdec.outputs import RequestOutput, TokenLogprobs
+from specdec.structured.params import StructuredOutputsParams
 from specdec.wrap import WrappedModel, wrap
 
 __all__ = [

@@ -1,9 +1,9 @@
 """User-facing configuration: how to sample a request (the engine's sizing is
 :mod:`specdec.engine_config`).
 
-:class:`SamplingParams` and :class:`StructuredOutputsParams` are dataclasses validated on
-construction, so a bad value fails where it is written with a ``ValueError`` that names the
-field, not deep inside a forward pass.
+:class:`SamplingParams` is a dataclass validated on construction, so a bad value fails where
+it is written with a ``ValueError`` that names the field, not deep inside a forward pass (vLLM's
+``StructuredOutputsParams``, which it takes, is :mod:`specdec.structured.params`).
 """
 
 from __future__ import annotations
@@ -13,45 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
 from specdec.structured.json_schema import schema_regex
+from specdec.structured.params import StructuredOutputsParams
 from specdec.structured.regex import check_regex
 
 # Temperatures below this decode greedily, as in vLLM: at 1e-38 and below, logits / temperature
 # overflows float32 and the distribution becomes NaN, and long before that it is one-hot anyway.
 MIN_SAMPLING_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20  # most alternatives per token that logprobs returns (OpenAI's and vLLM's cap)
-
-
-@dataclass(slots=True)
-class StructuredOutputsParams:
-    """vLLM's ``StructuredOutputsParams``, for code written against it: one of ``json`` (a JSON
-    Schema), ``regex``, ``choice`` or ``json_object=True`` (any JSON object), which
-    ``SamplingParams(structured_outputs=...)`` takes as its ``json_schema``, ``regex`` or
-    ``choice``. ``grammar`` is refused."""
-
-    json: dict[str, Any] | str | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    json_object: bool | None = None
-    grammar: str | None = None
-
-    def guide(self) -> dict[str, Any]:
-        """The SamplingParams fields this sets (ValueError unless exactly one kind is given)."""
-        _check(self.grammar is None, "structured_outputs.grammar is not supported: give json, "
-               "regex, choice or json_object")  # fmt: skip
-        given = {
-            key: value
-            for key, value in (
-                ("json_schema", self.json),
-                ("regex", self.regex),
-                ("choice", self.choice),
-                ("json_schema", {"type": "object"} if self.json_object else None),
-            )
-            if value is not None
-        }
-        kinds = [k for k in ("json", "regex", "choice") if getattr(self, k) is not None]
-        kinds += ["json_object"] if self.json_object else []
-        _check(len(kinds) == 1, f"structured_outputs needs exactly one kind, got {kinds or 'none'}")
-        return given
 
 
 @dataclass(slots=True)
