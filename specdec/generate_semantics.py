@@ -13,7 +13,10 @@ import copy
 
 import torch
 import transformers
+from transformers.generation import logits_process
+from transformers.generation.logits_process import LogitsProcessor
 
+from specdec.beam_search import Beam, check_early_stopping
 from specdec.config import SamplingParams
 from specdec.loader import eos_ids_of
 from specdec.sampling import process_logits_for
@@ -26,7 +29,6 @@ from specdec.token_rules import (
 
 # Generation-config fields the engine does not implement, with the values that leave them off.
 UNSUPPORTED = {
-    "num_beams": (None, 1),
     "num_beam_groups": (None, 1),
     "penalty_alpha": (None,),
     "encoder_repetition_penalty": (None, 1.0),
@@ -34,6 +36,11 @@ UNSUPPORTED = {
     "guidance_scale": (None, 1.0),
     "max_time": (None,),
     "watermarking_config": (None,),
+    "top_h": (None,),
+    "remove_invalid_values": (None, False),
+    "token_healing": (None, False),
+    "dola_layers": (None,),
+    "constraints": (None,),
     "output_attentions": (None, False),
     "output_hidden_states": (None, False),
 }
@@ -65,6 +72,20 @@ def check_config(config: transformers.GenerationConfig) -> None:
             f"`temperature` (={config.temperature}) has to be a strictly positive float when "
             "do_sample=True; use do_sample=False for greedy decoding"
         )
+
+
+def check_beam_config(config: transformers.GenerationConfig) -> None:
+    """Refuse what beam search (``num_beams > 1``) cannot do here, as transformers words it
+    where it refuses the same."""
+    copies = config.num_return_sequences or 1
+    if copies > config.num_beams:
+        raise ValueError(
+            f"`num_return_sequences` (={copies}) has to be smaller or equal to `num_beams` "
+            f"(={config.num_beams})"
+        )
+    if config.stop_strings:
+        raise ValueError("stop_strings with num_beams > 1 is not supported by specdec.wrap")
+    check_early_stopping(config.early_stopping)
 
 
 def prompt_rows(
@@ -174,11 +195,37 @@ def assemble(
     return torch.cat([input_ids, new.to(input_ids.device)], dim=1)
 
 
+def beam_sequences(
+    input_ids: torch.Tensor,  # [B, L]
+    completed: list[list[Beam]],  # [B] each prompt's completed hypotheses, best first
+    config: transformers.GenerationConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """transformers' beam-search output: each prompt's ``num_return_sequences`` best
+    hypotheses as ``[B * n, L + longest]`` sequences (padded on the right as transformers pads
+    them: ``pad_token_id`` unless it is 0 or unset, then the first EOS id, and -1 without EOS
+    ids), their ``sequences_scores`` and their ``beam_indices`` (-1 past each one's end)."""
+    copies = config.num_return_sequences or 1
+    empty = Beam(normalized=-1e9)  # a slot nothing completed (transformers' initial score)
+    chosen = [b for beams in completed for b in (beams + [empty] * copies)[:copies]]
+    width = max(len(b.token_ids) for b in chosen)
+    eos = eos_ids_of(config)
+    fill = (config.pad_token_id or eos[0]) if eos else -1
+    new = torch.full((len(chosen), width), fill, dtype=torch.int64)
+    indices = torch.full((len(chosen), width), -1, dtype=torch.int32)
+    for row, beam in enumerate(chosen):
+        new[row, : len(beam.token_ids)] = torch.tensor(beam.token_ids, dtype=torch.int64)
+        indices[row, : len(beam.slots)] = torch.tensor(beam.slots, dtype=torch.int32)
+    sequences = torch.cat([input_ids.cpu().repeat_interleave(copies, dim=0), new], dim=1)
+    scores = torch.tensor([b.normalized for b in chosen], dtype=torch.float32)
+    return sequences.to(input_ids.device), scores, indices
+
+
 def scores(
     logits: list[torch.Tensor | None],  # [B] each [n_b, V] raw logits of row b's tokens
     params: list[SamplingParams],  # [B]
     prompts: list[list[int]],  # [B] each row's prompt
     outputs: list[list[int]],  # [B] each row's generated tokens
+    renormalize: bool = False,  # transformers' renormalize_logits
 ) -> list[torch.Tensor | None]:  # [B] each [n_b, V]
     """transformers' ``scores``, up to a constant per row: the logits after the processors
     (``sequence_bias`` added, ``repetition_penalty`` over the prompt and the tokens before each
@@ -186,31 +233,76 @@ def scores(
     ``bad_words_ids`` and ``no_repeat_ngram_size`` mask what they forbid, the forcing rules and
     ``exponential_decay_length_penalty``) and, when sampling,
     log-probabilities after the warpers (temperature, top-k, top-p, min-p, typical, epsilon and
-    eta); ``compute_transition_scores`` gives the same log-probabilities either way."""
+    eta); ``compute_transition_scores`` gives the same log-probabilities either way. With
+    ``renormalize``, greedy rows too are log-probabilities (transformers' ``LogitNormalization``)."""
     scores: list[torch.Tensor | None] = []
     for rows, sp, prompt, output in zip(logits, params, prompts, outputs):
         if rows is None:
             scores.append(None)
             continue
-        rows = rows.clone()
-        if sp.sequence_bias:  # first, as transformers' processors run
-            for t in range(len(rows)):
-                rows[t] += sequence_bias_row(sp.sequence_bias, prompt + output[:t], rows.shape[1])
-        if sp.repetition_penalty != 1:
-            for t in range(len(rows)):
-                apply_penalties(rows[t], sp, prompt, output[:t])
-        if sp.has_generate_rules:
-            for t in range(len(rows)):
-                rows[t, generate_rule_bans(sp, prompt + output[:t])] = float("-inf")
-        rows[: sp.min_tokens, sp.stop_token_ids] = float("-inf")
-        rows[:1, sp.begin_suppress_tokens or []] = float("-inf")
-        if sp.has_position_rules:  # last, as the engine applies them (see constrain_rows)
-            for t in range(len(rows)):
-                apply_position_rules(rows[t], sp, t, len(prompt), sp.stop_token_ids)
-        if not sp.is_greedy:
+        rows = torch.stack(
+            [processed_row(row, sp, prompt, output[:t]) for t, row in enumerate(rows)]
+        )
+        if not sp.is_greedy:  # log-probabilities: normalised already
             rows = process_logits_for(rows, [sp] * len(rows)).log()
+        elif renormalize:
+            rows = torch.log_softmax(rows, dim=-1)
         scores.append(rows)
     return scores
+
+
+def processed_row(
+    row: torch.Tensor,  # [V] logits (or, in beam search, log-probabilities)
+    sp: SamplingParams,
+    prompt: list[int],
+    before: list[int],  # the tokens generated before this one
+) -> torch.Tensor:  # [V] a new tensor
+    """One row after transformers' logits processors, in the order they run (``sequence_bias``
+    first, the forcing rules and the length decay last, as the engine applies them)."""
+    row = row.clone()
+    position = len(before)
+    if sp.sequence_bias:
+        row += sequence_bias_row(sp.sequence_bias, prompt + before, row.shape[0])
+    if sp.repetition_penalty != 1:
+        apply_penalties(row, sp, prompt, before)
+    if sp.has_generate_rules:
+        row[generate_rule_bans(sp, prompt + before)] = float("-inf")
+    if position < sp.min_tokens:
+        row[sp.stop_token_ids] = float("-inf")
+    if position == 0 and sp.begin_suppress_tokens:
+        row[sp.begin_suppress_tokens] = float("-inf")
+    if sp.has_position_rules:  # see constrain_rows
+        apply_position_rules(row, sp, position, len(prompt), sp.stop_token_ids)
+    return row
+
+
+def beam_warpers(config: transformers.GenerationConfig) -> list[LogitsProcessor]:
+    """Beam sampling's warpers: transformers' own, built as ``generate`` builds them for
+    ``num_beams > 1`` (each keeps at least one token more than there are EOS ids, so that a
+    beam can go on). Beam sampling draws from their unnormalised output over every beam, which
+    ``generate``'s classes define to the bit; the engine's sampler (``process_logits``) keeps
+    one token at least and normalises, so it is not used here."""
+    keep = len(eos_ids_of(config)) + 1 if eos_ids_of(config) else 2
+    warpers: list[LogitsProcessor] = []
+    if config.temperature is not None and config.temperature != 1.0:
+        warpers.append(logits_process.TemperatureLogitsWarper(config.temperature))
+    if config.top_k:
+        warpers.append(logits_process.TopKLogitsWarper(config.top_k, min_tokens_to_keep=keep))
+    if config.top_p is not None and config.top_p < 1.0:
+        warpers.append(logits_process.TopPLogitsWarper(config.top_p, min_tokens_to_keep=keep))
+    if config.min_p is not None:
+        warpers.append(logits_process.MinPLogitsWarper(config.min_p, min_tokens_to_keep=keep))
+    if config.typical_p is not None and config.typical_p < 1.0:
+        warpers.append(
+            logits_process.TypicalLogitsWarper(config.typical_p, min_tokens_to_keep=keep)
+        )
+    if config.epsilon_cutoff is not None and 0.0 < config.epsilon_cutoff < 1.0:
+        warpers.append(
+            logits_process.EpsilonLogitsWarper(config.epsilon_cutoff, min_tokens_to_keep=keep)
+        )
+    if config.eta_cutoff is not None and 0.0 < config.eta_cutoff < 1.0:
+        warpers.append(logits_process.EtaLogitsWarper(config.eta_cutoff, min_tokens_to_keep=keep))
+    return warpers
 
 
 def per_step(rows: list[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:

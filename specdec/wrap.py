@@ -30,8 +30,10 @@ set), ``top_p``, ``min_p``, ``max_new_tokens`` / ``max_length``, ``min_new_token
 ``num_return_sequences``. Every row's noise seed is drawn from torch's global generator, so
 ``torch.manual_seed(s)`` before a call makes it reproducible, whatever the drafter or batch.
 ``return_dict_in_generate`` with ``output_logits`` / ``output_scores`` hands back the rows each
-token was decided from. Options whose effect the engine does not implement (beam search,
-repetition penalties, attentions) are refused with a ``ValueError`` naming them, never ignored.
+token was decided from. ``num_beams > 1`` runs transformers' beam search (and beam sampling) on
+the engine (:mod:`specdec.beam_search`). Options whose effect the engine does not implement
+(contrastive search, guidance, attentions, ...) are refused with a ``ValueError`` naming them,
+never ignored.
 """
 
 from __future__ import annotations
@@ -41,9 +43,11 @@ from typing import Any
 import torch
 import transformers
 from torch import nn
-from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 
 from specdec import generate_semantics as hf
+from specdec.beam_search import Search
+from specdec.beam_search import run as run_search
 from specdec.config import SamplingParams
 from specdec.drafters.registry import SpecConfig
 from specdec.llm import LLM, merge_delta
@@ -112,8 +116,9 @@ class WrappedModel:
         streamer: Any = None,
         assistant_model: transformers.PreTrainedModel | None = None,
         **kwargs: Any,
-    ) -> torch.Tensor | GenerateDecoderOnlyOutput:
-        """``transformers``' ``generate`` (decoder-only, greedy or sampled), on the engine."""
+    ) -> torch.Tensor | GenerateDecoderOnlyOutput | GenerateBeamDecoderOnlyOutput:
+        """``transformers``' ``generate`` (decoder-only: greedy, sampled or beam search), on the
+        engine."""
         input_ids = kwargs.pop("input_ids", None) if inputs is None else inputs
         attention_mask = kwargs.pop("attention_mask", None)
         kwargs.pop("tokenizer", None)  # for stop_strings; the engine has the model's own
@@ -132,6 +137,15 @@ class WrappedModel:
         hf.check_config(config)
         if input_ids is None or input_ids.dim() != 2 or input_ids.shape[0] == 0:
             raise ValueError("input_ids must be a [batch, length] tensor of token ids")
+        if (config.num_beams or 1) > 1:
+            if streamer is not None:
+                raise ValueError("`streamer` cannot be used with beam search: set num_beams=1")
+            if assistant_model is not None or prompt_lookup is not None:
+                raise ValueError(
+                    "assisted generation (assistant_model, prompt_lookup_num_tokens) needs "
+                    "num_beams=1, as in transformers"
+                )
+            return self._beam_generate(input_ids, attention_mask, config)
         if streamer is not None and input_ids.shape[0] > 1:
             raise ValueError("a streamer works at batch size 1 only, as in transformers")
         copies = config.num_return_sequences or 1
@@ -151,11 +165,62 @@ class WrappedModel:
         if not config.return_dict_in_generate:
             return sequences
         logits = [out.logits for out in outputs]
-        scores = hf.scores(logits, params, prompts, new_tokens) if config.output_scores else None
+        scores = (
+            hf.scores(logits, params, prompts, new_tokens, bool(config.renormalize_logits))
+            if config.output_scores
+            else None
+        )
         return GenerateDecoderOnlyOutput(
             sequences=sequences,  # type: ignore[arg-type]
             scores=hf.per_step(scores) if scores else None,  # type: ignore[arg-type]
             logits=hf.per_step(logits) if config.output_logits else None,  # type: ignore[arg-type]
+        )
+
+    def _beam_generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        config: transformers.GenerationConfig,
+    ) -> torch.Tensor | GenerateBeamDecoderOnlyOutput:
+        """transformers' beam search (``num_beams > 1``, greedy), on the engine: see
+        :mod:`specdec.beam_search`. The logits processors that ``generate`` applies (penalties,
+        bans, forcing) change each step's log-probabilities, as in transformers."""
+        hf.check_beam_config(config)
+        prompts = hf.prompt_rows(input_ids, attention_mask, config)
+        rules = hf.sampling_params(config, input_ids.shape[1], [0])[0]
+
+        warpers = hf.beam_warpers(config) if config.do_sample else []
+        no_ids = torch.empty(1, 0, dtype=torch.long)  # the warpers read no ids
+
+        def process(row: torch.Tensor, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+            row = hf.processed_row(row, rules, prompt, tokens)[None]
+            for warper in warpers:
+                row = warper(no_ids, row)
+            return torch.log_softmax(row, -1)[0] if config.renormalize_logits else row[0]
+
+        record = bool(
+            config.return_dict_in_generate and (config.output_scores or config.output_logits)
+        )
+        search = Search(
+            width=config.num_beams,
+            max_tokens=rules.max_tokens,
+            eos=tuple(rules.stop_token_ids or ()),
+            length_penalty=float(config.length_penalty),
+            early_stopping=config.early_stopping,
+            process=process,
+            sample=bool(config.do_sample),
+            record=record,
+        )
+        result = run_search(self._engine(None, None, None, config), prompts, search)
+        sequences, scores, indices = hf.beam_sequences(input_ids, result.completed, config)
+        if not config.return_dict_in_generate:
+            return sequences
+        return GenerateBeamDecoderOnlyOutput(
+            sequences=sequences,  # type: ignore[arg-type]
+            sequences_scores=scores if config.output_scores else None,  # type: ignore[arg-type]
+            scores=tuple(result.scores) if config.output_scores else None,  # type: ignore[arg-type]
+            logits=tuple(result.logits) if config.output_logits else None,  # type: ignore[arg-type]
+            beam_indices=indices,  # type: ignore[arg-type]
         )
 
     def _engine(

@@ -58,6 +58,7 @@ def test_an_end_of_sequence_token_completes_a_beam(make_llm):
         ({"beam_width": 0, "max_tokens": 4}, "beam_width must be an integer in"),
         ({"beam_width": 11, "max_tokens": 4}, "beam_width must be an integer in"),
         ({"beam_width": 2, "max_tokens": 0}, "max_tokens must be at least 1"),
+        ({"beam_width": 2, "max_tokens": 4, "early_stopping": "soon"}, "early_stopping must be"),
     ],
 )
 def test_bad_beam_search_params_are_refused(options, message):

@@ -213,10 +213,14 @@ def test_wrong_arguments_are_refused():
     ids = torch.tensor([tokenizer.encode("hi")])
     with pytest.raises(ValueError, match="not used by the model.*max_new_token"):
         fast.generate(ids, max_new_token=4)
-    with pytest.raises(ValueError, match=r"num_beams=2\) is not supported"):
-        fast.generate(ids, num_beams=2)
+    with pytest.raises(ValueError, match=r"num_beam_groups=2\) is not supported"):
+        fast.generate(ids, num_beams=4, num_beam_groups=2, diversity_penalty=0.5)
     with pytest.raises(ValueError, match=r"penalty_alpha=0.6\) is not supported"):
         fast.generate(ids, penalty_alpha=0.6, top_k=4)
+    with pytest.raises(ValueError, match=r"top_h=0.5\) is not supported"):
+        fast.generate(ids, do_sample=True, top_h=0.5)  # accepted before, and not applied
+    with pytest.raises(ValueError, match=r"token_healing=True\) is not supported"):
+        fast.generate(ids, token_healing=True)
     with pytest.raises(ValueError, match=r"typical_p must be a number in \(0, 1\]"):
         fast.generate(ids, do_sample=True, typical_p=1.5)
     with pytest.raises(ValueError, match="sequence_bias must be"):
