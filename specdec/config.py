@@ -9,6 +9,7 @@ it is written with a ``ValueError`` that names the field, not deep inside a forw
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
@@ -103,6 +104,10 @@ class SamplingParams:
     # (start, factor): past `start` generated tokens, an end-of-sequence id's logit x gains
     # |x| * (factor ** (generated - start) - 1) (transformers' ExponentialDecayLengthPenalty)
     exponential_decay_length_penalty: tuple[int, float] | None = None
+    # vLLM's (v0) logits processors, called on every row the next token is decided from (drafts'
+    # rows too), after the rules above and before a guide: fn(output_token_ids, logits) or
+    # fn(prompt_token_ids, output_token_ids, logits) -> logits (see token_rules), pure functions
+    logits_processors: list[Callable[..., Any]] | None = None
     # keep only the prompt's last k tokens (vLLM's left truncation; -1: as many as the context
     # holds with room for one new token); None: a prompt too long for the context is refused
     truncate_prompt_tokens: int | None = None
@@ -314,6 +319,9 @@ class SamplingParams:
             ("forced_eos_token_id", eos is None or (_is_int(eos) and eos >= 0)
              or (isinstance(eos, list | tuple) and len(eos) > 0 and _token_ids(eos)),
              "None, a non-negative token id or a non-empty list of them"),
+            ("logits_processors", self.logits_processors is None or (isinstance(
+                self.logits_processors, list | tuple) and all(map(callable, self.logits_processors))),
+             "a list of callables"),
             ("exponential_decay_length_penalty", decay is None or (
                 isinstance(decay, list | tuple) and len(decay) == 2 and _is_int(decay[0])
                 and decay[0] >= 0 and _is_number(decay[1]) and 0 < decay[1] < math.inf),
@@ -324,6 +332,8 @@ class SamplingParams:
             self.sequence_bias = {tuple(ids): float(b) for ids, b in pairs}
         if decay is not None:
             self.exponential_decay_length_penalty = (decay[0], float(decay[1]))
+        if self.logits_processors is not None:
+            self.logits_processors = list(self.logits_processors)
 
     @property
     def is_greedy(self) -> bool:

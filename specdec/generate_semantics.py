@@ -10,6 +10,7 @@ Terms follow transformers: *processors* change logits (``min_new_tokens`` masks 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 import transformers
@@ -21,6 +22,7 @@ from specdec.config import SamplingParams
 from specdec.loader import eos_ids_of
 from specdec.sampling import process_logits_for
 from specdec.token_rules import (
+    apply_logits_processors,
     apply_penalties,
     apply_position_rules,
     generate_rule_bans,
@@ -120,7 +122,10 @@ def prompt_rows(
 
 
 def sampling_params(
-    config: transformers.GenerationConfig, input_length: int, seeds: list[int]
+    config: transformers.GenerationConfig,
+    input_length: int,
+    seeds: list[int],
+    processors: list[LogitsProcessor] | None = None,
 ) -> list[SamplingParams]:
     """The engine's parameters for each row, from a generation config (transformers'
     semantics: ``max_length`` and ``min_length`` count the padded input; the config's EOS ids,
@@ -141,6 +146,7 @@ def sampling_params(
     begin = list(config.begin_suppress_tokens or [])
     forced_eos = config.forced_eos_token_id
     decay = config.exponential_decay_length_penalty
+    custom = [as_row_processor(p) for p in processors or []] or None
     return [
         SamplingParams(
             max_tokens=max_new,
@@ -166,11 +172,25 @@ def sampling_params(
             forced_eos_token_id=list(forced_eos) if isinstance(forced_eos, list) else forced_eos,
             exponential_decay_length_penalty=tuple(decay) if decay is not None else None,
             return_logits=bool(config.output_scores or config.output_logits),
+            logits_processors=custom,
             stop_strings=config.stop_strings or None,  # in the text of every token, as
             skip_special_tokens=False,  # transformers' StopStringCriteria reads it
         )
         for seed in seeds
     ]
+
+
+def as_row_processor(
+    processor: LogitsProcessor,
+) -> Callable[[list[int], list[int], torch.Tensor], torch.Tensor]:
+    """A transformers ``LogitsProcessor`` as the engine calls a request's processors: on one
+    row, with ``input_ids`` the row's prompt and the tokens before it (``[1, L]``; a batch's
+    left padding is not part of it, as for the n-gram rules)."""
+
+    def on_row(prompt: list[int], output: list[int], row: torch.Tensor) -> torch.Tensor:
+        return processor(torch.tensor([prompt + output]), row[None])[0]
+
+    return on_row
 
 
 def pad_id(config: transformers.GenerationConfig) -> int:
@@ -258,7 +278,8 @@ def processed_row(
     before: list[int],  # the tokens generated before this one
 ) -> torch.Tensor:  # [V] a new tensor
     """One row after transformers' logits processors, in the order they run (``sequence_bias``
-    first, the forcing rules and the length decay last, as the engine applies them)."""
+    first, then the forcing rules and the length decay, as the engine applies them, then the
+    caller's own ``logits_processor``)."""
     row = row.clone()
     position = len(before)
     if sp.sequence_bias:
@@ -273,7 +294,7 @@ def processed_row(
         row[sp.begin_suppress_tokens] = float("-inf")
     if sp.has_position_rules:  # see constrain_rows
         apply_position_rules(row, sp, position, len(prompt), sp.stop_token_ids)
-    return row
+    return apply_logits_processors(row, sp, prompt, before)  # a caller's own, last
 
 
 def beam_warpers(config: transformers.GenerationConfig) -> list[LogitsProcessor]:

@@ -1,5 +1,6 @@
 """Token rules over a row's context: the penalties, vLLM's bad words, and transformers' rules
-(n-gram repeats, bad words, suppression, sequence bias, forcing and length decay).
+(n-gram repeats, bad words, suppression, sequence bias, forcing and length decay), and a
+request's own logits processors.
 
 Each reads the tokens before a row (the prompt, the output and, in a verification step, the drafts
 before the row), so that the verifier's ``constrain_rows`` applies them at each row with the
@@ -8,7 +9,9 @@ drafts before it counted, and :mod:`specdec.wrap`'s scores apply them to the row
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -144,3 +147,37 @@ def sequence_bias_row(
         matched = torch.tensor([b if ids[:-1] == tail else 0.0 for ids, b in group])
         row.index_add_(0, torch.tensor([ids[-1] for ids, _ in group]), matched)
     return row
+
+
+def apply_logits_processors(
+    logits: torch.Tensor,  # [V] one row, after the built-in rules
+    params: SamplingParams,
+    prompt: Sequence[int],
+    output: Sequence[int],  # the tokens generated before the row (drafts included)
+) -> torch.Tensor:  # [V] the row after each of params.logits_processors, in order
+    """vLLM's (v0) per-request logits processors: ``fn(output_token_ids, logits)``, or
+    ``fn(prompt_token_ids, output_token_ids, logits)`` where ``fn`` takes three parameters.
+
+    A processor is called on every row a token is decided from, drafts' rows included, with
+    the tokens before that row: under speculation it sees drafts that may be rejected and may
+    see a position more than once, so it must be a function of its arguments (no state kept
+    between calls) for the output to equal plain decoding's."""
+    vocab = logits.shape[0]
+    for fn in params.logits_processors or ():
+        given = (
+            fn(list(prompt), list(output), logits)
+            if _takes_prompt(fn)
+            else fn(list(output), logits)
+        )
+        if not (isinstance(given, torch.Tensor) and given.shape == (vocab,)):
+            got = tuple(given.shape) if isinstance(given, torch.Tensor) else type(given).__name__
+            raise ValueError(f"a logits processor returned {got}, not a [{vocab}] tensor")
+        logits = given
+    return logits
+
+
+def _takes_prompt(fn: Callable[..., Any]) -> bool:
+    try:
+        return len(inspect.signature(fn).parameters) == 3
+    except (TypeError, ValueError):  # no signature (a builtin): vLLM's two-argument form
+        return False

@@ -56,6 +56,7 @@ from specdec.sampling import (
 from specdec.scheduler import SchedulerOutput
 from specdec.sequence import Sequence
 from specdec.token_rules import (
+    apply_logits_processors,
     apply_penalties,
     apply_position_rules,
     decays_length,
@@ -290,6 +291,7 @@ def is_unconstrained(seq: Sequence, j: int) -> bool:
         and seq.num_output_tokens + j >= params.min_tokens
         and not params.has_penalties
         and seq.guide is None
+        and not params.logits_processors
     )
 
 
@@ -333,7 +335,8 @@ def constrain_rows(
     transformers' ``MinNewTokensLengthLogitsProcessor`` and vLLM's ``min_tokens`` do. Penalties follow
     (:func:`specdec.token_rules.apply_penalties`), then transformers' forcing rules and length
     decay (:func:`specdec.token_rules.apply_position_rules`: a forced token is allowed whatever
-    came before), then a guide's (``choice``, ``regex``, ``json_schema``): every token it does
+    came before), then the request's own ``logits_processors``
+    (:func:`specdec.token_rules.apply_logits_processors`), then a guide's (``choice``, ``regex``, ``json_schema``): every token it does
     not allow there gets ``-inf``."""
     for row, (seq, j) in enumerate(zip(seqs, positions)):
         params = seq.params
@@ -369,6 +372,9 @@ def constrain_rows(
                 seq.num_prompt_tokens,
                 ending_ids(seq),
             )
+        if params.logits_processors:  # the drafts before row j count as generated
+            output = seq.output_token_ids + seq.spec_token_ids[:j]
+            logits[row] = apply_logits_processors(logits[row], params, seq.prompt_token_ids, output)
         allowed = seq.allowed_tokens(j)  # None without a guide
         if isinstance(allowed, torch.Tensor):  # a [V] mask
             logits[row].masked_fill_(~allowed.to(logits.device), float("-inf"))

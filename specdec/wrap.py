@@ -122,6 +122,7 @@ class WrappedModel:
         input_ids = kwargs.pop("input_ids", None) if inputs is None else inputs
         attention_mask = kwargs.pop("attention_mask", None)
         kwargs.pop("tokenizer", None)  # for stop_strings; the engine has the model's own
+        processors = list(kwargs.pop("logits_processor", None) or [])
         prompt_lookup = kwargs.pop("prompt_lookup_num_tokens", None)
         # asked for by the caller, not filled in from transformers' defaults (a constant 20)
         num_assistant_tokens = kwargs.get(
@@ -145,7 +146,7 @@ class WrappedModel:
                     "assisted generation (assistant_model, prompt_lookup_num_tokens) needs "
                     "num_beams=1, as in transformers"
                 )
-            return self._beam_generate(input_ids, attention_mask, config)
+            return self._beam_generate(input_ids, attention_mask, config, processors)
         if streamer is not None and input_ids.shape[0] > 1:
             raise ValueError("a streamer works at batch size 1 only, as in transformers")
         copies = config.num_return_sequences or 1
@@ -154,7 +155,7 @@ class WrappedModel:
         prompts = [
             p for p in hf.prompt_rows(input_ids, attention_mask, config) for _ in range(copies)
         ]
-        params = hf.sampling_params(config, input_ids.shape[1], seeds)
+        params = hf.sampling_params(config, input_ids.shape[1], seeds, processors)
         llm = self._engine(assistant_model, prompt_lookup, num_assistant_tokens, config)
         if streamer is not None:
             outputs = [_stream(llm, prompts[0], params[0], input_ids, streamer)]
@@ -181,13 +182,14 @@ class WrappedModel:
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
         config: transformers.GenerationConfig,
+        processors: list[Any],
     ) -> torch.Tensor | GenerateBeamDecoderOnlyOutput:
         """transformers' beam search (``num_beams > 1``, greedy), on the engine: see
         :mod:`specdec.beam_search`. The logits processors that ``generate`` applies (penalties,
         bans, forcing) change each step's log-probabilities, as in transformers."""
         hf.check_beam_config(config)
         prompts = hf.prompt_rows(input_ids, attention_mask, config)
-        rules = hf.sampling_params(config, input_ids.shape[1], [0])[0]
+        rules = hf.sampling_params(config, input_ids.shape[1], [0], processors)[0]
 
         warpers = hf.beam_warpers(config) if config.do_sample else []
         no_ids = torch.empty(1, 0, dtype=torch.long)  # the warpers read no ids
