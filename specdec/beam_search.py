@@ -112,6 +112,9 @@ class Search:
     early_stopping: bool | str = False
     process: RowRule | None = None  # transformers' logits processors, on log-probabilities
     sample: bool = False  # draw the candidates (transformers' beam sampling) instead of the best
+    # (prompt, a candidate's tokens) -> whether it completes there anyway (transformers'
+    # stopping criteria, max_time among them)
+    stops: Callable[[list[int], list[int]], bool] | None = None
     record: bool = False  # keep every step's rows for every beam (transformers' scores/logits)
 
 
@@ -162,6 +165,8 @@ def run(llm: LLM, prompts: list[list[int]], search: Search) -> SearchResult:
             if search.record or search.sample or not stopped[i]
             for beam in beams
         ]
+        if not queued:
+            break
         outputs = llm.generate([prompts[i] + beam.token_ids for i, beam in queued], step_params)
         logits = torch.cat([out.logits for out in outputs if out.logits is not None]).float()
         rows = torch.log_softmax(logits, dim=-1)
@@ -176,18 +181,23 @@ def run(llm: LLM, prompts: list[list[int]], search: Search) -> SearchResult:
         start = 0
         for i in sorted({i for i, _ in queued}):
             n = len(live[i])
-            live[i] = _extend(search, i, live[i], rows[start : start + n], completed, stopped[i])
+            live[i] = _extend(
+                search, i, prompts[i], live[i], rows[start : start + n], completed, stopped[i]
+            )
             start += n
             if improvable[i]:
                 improvable[i] = _improvable(search, live[i], completed[i], step + 1)
             full = len(completed[i]) == width
+            # (no live beam: every candidate completed, by a stopping criterion)
             stopped[i] = not improvable[i] or (search.early_stopping is True and full)
+            stopped[i] = stopped[i] or not live[i]
     return result
 
 
 def _extend(
     search: Search,
     i: int,
+    prompt: list[int],
     beams: list[Beam],
     rows: torch.Tensor,  # [len(beams), V] the rows the search ranks
     completed: list[list[Beam]],
@@ -216,7 +226,10 @@ def _extend(
             slots=[*beam.slots, i * width + parent],
             normalized=norm,
         )
-        if extended.finished or length >= search.max_tokens:
+        ends = extended.finished or length >= search.max_tokens
+        if not ends and search.stops is not None:
+            ends = search.stops(prompt, extended.token_ids)
+        if ends:
             if rank < width and not stopped:  # only the best `width` candidates may complete
                 ended.append(extended)
         elif len(following) < width:

@@ -36,7 +36,6 @@ UNSUPPORTED = {
     "encoder_repetition_penalty": (None, 1.0),
     "force_words_ids": (None,),
     "guidance_scale": (None, 1.0),
-    "max_time": (None,),
     "watermarking_config": (None,),
     "top_h": (None,),
     "remove_invalid_values": (None, False),

@@ -30,7 +30,9 @@ set), ``top_p``, ``min_p``, ``max_new_tokens`` / ``max_length``, ``min_new_token
 ``num_return_sequences``. Every row's noise seed is drawn from torch's global generator, so
 ``torch.manual_seed(s)`` before a call makes it reproducible, whatever the drafter or batch.
 ``return_dict_in_generate`` with ``output_logits`` / ``output_scores`` hands back the rows each
-token was decided from. ``num_beams > 1`` runs transformers' beam search (and beam sampling) on
+token was decided from. ``logits_processor`` (transformers' processors, called on each row) and
+``stopping_criteria`` / ``max_time`` (a row ends after the token past which one holds) work as
+in ``generate``. ``num_beams > 1`` runs transformers' beam search (and beam sampling) on
 the engine (:mod:`specdec.beam_search`). Options whose effect the engine does not implement
 (contrastive search, guidance, attentions, ...) are refused with a ``ValueError`` naming them,
 never ignored.
@@ -43,6 +45,7 @@ from typing import Any
 import torch
 import transformers
 from torch import nn
+from transformers.generation.stopping_criteria import MaxTimeCriteria
 from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 
 from specdec import generate_semantics as hf
@@ -123,6 +126,7 @@ class WrappedModel:
         attention_mask = kwargs.pop("attention_mask", None)
         kwargs.pop("tokenizer", None)  # for stop_strings; the engine has the model's own
         processors = list(kwargs.pop("logits_processor", None) or [])
+        criteria = list(kwargs.pop("stopping_criteria", None) or [])
         prompt_lookup = kwargs.pop("prompt_lookup_num_tokens", None)
         # asked for by the caller, not filled in from transformers' defaults (a constant 20)
         num_assistant_tokens = kwargs.get(
@@ -136,6 +140,8 @@ class WrappedModel:
                 "(note: typos in the generate arguments will also show up in this list)"
             )
         hf.check_config(config)
+        if config.max_time is not None:  # from now, as transformers starts its clock
+            criteria.append(MaxTimeCriteria(config.max_time))
         if input_ids is None or input_ids.dim() != 2 or input_ids.shape[0] == 0:
             raise ValueError("input_ids must be a [batch, length] tensor of token ids")
         if (config.num_beams or 1) > 1:
@@ -146,7 +152,7 @@ class WrappedModel:
                     "assisted generation (assistant_model, prompt_lookup_num_tokens) needs "
                     "num_beams=1, as in transformers"
                 )
-            return self._beam_generate(input_ids, attention_mask, config, processors)
+            return self._beam_generate(input_ids, attention_mask, config, processors, criteria)
         if streamer is not None and input_ids.shape[0] > 1:
             raise ValueError("a streamer works at batch size 1 only, as in transformers")
         copies = config.num_return_sequences or 1
@@ -158,7 +164,9 @@ class WrappedModel:
         params = hf.sampling_params(config, input_ids.shape[1], seeds, processors)
         llm = self._engine(assistant_model, prompt_lookup, num_assistant_tokens, config)
         if streamer is not None:
-            outputs = [_stream(llm, prompts[0], params[0], input_ids, streamer)]
+            outputs = [_stream(llm, prompts[0], params[0], input_ids, streamer, criteria)]
+        elif criteria:
+            outputs = _generate_until(llm, prompts, params, criteria)
         else:
             outputs = llm.generate(prompts, params)
         new_tokens = [out.token_ids for out in outputs]
@@ -183,6 +191,7 @@ class WrappedModel:
         attention_mask: torch.Tensor | None,
         config: transformers.GenerationConfig,
         processors: list[Any],
+        criteria: list[Any],
     ) -> torch.Tensor | GenerateBeamDecoderOnlyOutput:
         """transformers' beam search (``num_beams > 1``, greedy), on the engine: see
         :mod:`specdec.beam_search`. The logits processors that ``generate`` applies (penalties,
@@ -211,6 +220,7 @@ class WrappedModel:
             early_stopping=config.early_stopping,
             process=process,
             sample=bool(config.do_sample),
+            stops=(lambda prompt, tokens: _met(criteria, prompt + tokens)) if criteria else None,
             record=record,
         )
         result = run_search(self._engine(None, None, None, config), prompts, search)
@@ -315,7 +325,12 @@ def _fuse_rows(linears: list[nn.Linear]) -> None:
 
 
 def _stream(
-    llm: LLM, prompt: list[int], params: SamplingParams, input_ids: torch.Tensor, streamer: Any
+    llm: LLM,
+    prompt: list[int],
+    params: SamplingParams,
+    input_ids: torch.Tensor,
+    streamer: Any,
+    criteria: list[Any],
 ) -> RequestOutput:
     """One row, its tokens handed to ``streamer`` as they come: first the input ids, then each
     step's new tokens, then ``end()``, as transformers' ``generate`` calls it."""
@@ -324,8 +339,68 @@ def _stream(
     try:
         for delta in llm.stream(prompt, params):
             if delta.token_ids:
+                start = len(total.token_ids)
                 merge_delta(total, delta)
-                streamer.put(torch.tensor(delta.token_ids))
+                stop = _first_stop(criteria, total, start)
+                streamer.put(torch.tensor(total.token_ids[start:stop]))
+                if stop is not None:
+                    _cut(total, stop)
+                    break  # closing the stream aborts the request
     finally:
         streamer.end()
     return total
+
+
+def _generate_until(
+    llm: LLM, prompts: list[list[int]], params: list[SamplingParams], criteria: list[Any]
+) -> list[RequestOutput]:
+    """``llm.generate``, each row also ending at the first token after which one of
+    transformers' ``stopping_criteria`` holds for it (that token kept, as ``generate`` keeps
+    it); the engine drops the row there, tokens it drafted past the stop included."""
+    engine = llm.engine
+    ids = []
+    totals: dict[int, RequestOutput] = {}
+    try:
+        for prompt, sp in zip(prompts, params):
+            ids.append(engine.add_request(prompt, sp))
+            totals[ids[-1]] = RequestOutput(ids[-1], prompt)
+        while engine.has_unfinished():
+            for delta in engine.step():
+                total = totals[delta.request_id]
+                if total.finished:
+                    continue
+                start = len(total.token_ids)
+                merge_delta(total, delta)
+                stop = _first_stop(criteria, total, start)
+                if stop is not None:
+                    _cut(total, stop)
+                    engine.abort(delta.request_id)
+    except BaseException:
+        for request_id in ids:
+            engine.abort(request_id)
+        raise
+    return [totals[i] for i in ids]
+
+
+def _first_stop(criteria: list[Any], total: RequestOutput, start: int) -> int | None:
+    """The length of ``total``'s output up to the first of its tokens from ``start`` on after
+    which a criterion holds (None: none does)."""
+    for end in range(start + 1, len(total.token_ids) + 1):
+        if _met(criteria, total.prompt_token_ids + total.token_ids[:end]):
+            return end
+    return None
+
+
+def _met(criteria: list[Any], tokens: list[int]) -> bool:
+    """Whether one of transformers' stopping criteria holds for a row of these tokens (called
+    as ``generate`` calls them, on ``[1, L]`` ids; the scores they are given are None)."""
+    ids = torch.tensor([tokens])
+    return any(bool(criterion(ids, None)[0]) for criterion in criteria)
+
+
+def _cut(total: RequestOutput, length: int) -> None:
+    """End ``total`` after its first ``length`` tokens."""
+    total.token_ids = total.token_ids[:length]
+    if total.logits is not None:
+        total.logits = total.logits[:length]
+    total.finished, total.finish_reason = True, "stop"
