@@ -8,6 +8,13 @@ tokens, it is registered under a hash chained from the previous block's hash and
 ids, so equal prefixes get equal hashes. A later request whose prompt starts with the same blocks
 takes them (reference count + 1) instead of recomputing them. A freed block keeps its hash while
 it waits on the free list; it is evicted, least recently freed first, only when reallocated.
+
+A sequence's last, partial block is cached too when the sequence is freed: its computed tokens
+are registered under a hash of their own (chained from the full block before). A later sequence
+whose tokens continue those (a beam extended by one token, the next turn of a conversation) takes
+a fresh block and a copy of that block's K/V instead of recomputing up to ``block_size - 1``
+tokens: the source block is pinned until the step's copies are done (:meth:`take_copies`,
+:meth:`release_copies`; the model runner copies), since it may not be shared and written.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ class BlockManager:
         # Free blocks in eviction order (oldest first); an OrderedDict gives O(1) removal of a
         # cached block revived by a prefix hit.
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.copies: dict[int, int] = {}  # pending K/V copies of partial blocks: new -> cached
 
     @property
     def num_free_blocks(self) -> int:
@@ -70,14 +78,45 @@ class BlockManager:
             block_id = self.cached_blocks.get(block_hash)
             if block_id is None:
                 break
-            if self.ref_counts[block_id] == 0:
-                del self.free_blocks[block_id]
-            self.ref_counts[block_id] += 1
+            self._hold(block_id)
             seq.block_table.append(block_id)
             seq.block_hashes.append(block_hash)
             parent = block_hash
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        seq.num_computed_tokens += self._match_partial(seq, parent)
         seq.metrics.num_cached_tokens = max(seq.metrics.num_cached_tokens, seq.num_computed_tokens)
+
+    def _match_partial(self, seq: Sequence, parent: int | None) -> int:
+        """After ``seq``'s full cached blocks, the cached partial block that holds the most of its
+        next tokens (never its last): a fresh block for it, to be filled with a copy. Returns the
+        tokens it covers (0: none cached, or no block free for the copy)."""
+        start = len(seq.block_table) * self.block_size
+        tokens = seq.token_ids[start : min(seq.num_tokens - 1, start + self.block_size - 1)]
+        source = None
+        while tokens and source is None:  # the longest cached run of them
+            source = self.cached_blocks.get(self.hash_partial(parent, tokens))
+            if source is None:
+                tokens = tokens[:-1]
+        if source is None or len(self.free_blocks) < 1 + (self.ref_counts[source] == 0):
+            return 0
+        self._hold(source)  # until the copy is done
+        block_id, _ = self.free_blocks.popitem(last=False)
+        self._forget_hash(block_id)
+        self.ref_counts[block_id] = 1
+        seq.block_table.append(block_id)
+        self.copies[block_id] = source
+        return len(tokens)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The (source, destination) block copies the next forward needs first, handed over
+        once; each source stays held until :meth:`release_copies`."""
+        copies = [(source, block_id) for block_id, source in self.copies.items()]
+        self.copies.clear()
+        return copies
+
+    def release_copies(self, copies: list[tuple[int, int]]) -> None:
+        for source, _ in copies:
+            self._release(source)
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """Register each block now full of computed, final tokens in the prefix cache."""
@@ -94,15 +133,47 @@ class BlockManager:
                 self.block_hash[block_id] = block_hash
 
     def free(self, seq: Sequence) -> None:
-        """Release a sequence's blocks; the tail goes on the free list first (evicted first)."""
+        """Release a sequence's blocks, its last partial one cached; the tail goes on the free
+        list first (evicted first)."""
+        self._register_partial(seq)
         for block_id in reversed(seq.block_table):
-            self.ref_counts[block_id] -= 1
-            assert self.ref_counts[block_id] >= 0, f"block {block_id} freed twice"
-            if self.ref_counts[block_id] == 0:
-                self.free_blocks[block_id] = None
+            source = self.copies.pop(block_id, None)  # freed before its copy was made
+            if source is not None:
+                self._release(source)
+            self._release(block_id)
         seq.block_table.clear()
         seq.block_hashes.clear()
         seq.num_computed_tokens = 0
+
+    def _register_partial(self, seq: Sequence) -> None:
+        """Cache the computed tokens of ``seq``'s last, partial block (see the module doc)."""
+        if not self.enable_prefix_caching:
+            return
+        computed = min(seq.num_computed_tokens, seq.num_tokens)
+        full, rest = divmod(computed, self.block_size)
+        if not rest or full >= len(seq.block_table) or len(seq.block_hashes) < full:
+            return
+        block_id = seq.block_table[full]
+        if block_id in self.copies or self.block_hash[block_id] is not None:
+            return  # not filled yet, or cached already
+        start = full * self.block_size
+        parent = seq.block_hashes[full - 1] if full else None
+        key = self.hash_partial(parent, seq.token_ids[start : start + rest])
+        if self.ref_counts[block_id] == 1 and key not in self.cached_blocks:
+            self.cached_blocks[key] = block_id
+            self.block_hash[block_id] = key
+
+    def _hold(self, block_id: int) -> None:
+        """One more holder of a cached block (off the free list if it was there)."""
+        if self.ref_counts[block_id] == 0:
+            del self.free_blocks[block_id]
+        self.ref_counts[block_id] += 1
+
+    def _release(self, block_id: int) -> None:
+        self.ref_counts[block_id] -= 1
+        assert self.ref_counts[block_id] >= 0, f"block {block_id} freed twice"
+        if self.ref_counts[block_id] == 0:
+            self.free_blocks[block_id] = None
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block that no sequence holds (vLLM's ``reset_prefix_cache``), so
@@ -113,6 +184,12 @@ class BlockManager:
     def hash_block(self, parent: int | None, token_ids: list[int], index: int) -> int:
         start = index * self.block_size
         return hash((parent, tuple(token_ids[start : start + self.block_size])))
+
+    @staticmethod
+    def hash_partial(parent: int | None, tokens: list[int]) -> int:
+        """A partial block's key: its tokens after the full block ``parent`` (another domain
+        than full blocks' hashes)."""
+        return hash(("partial", parent, tuple(tokens)))
 
     def _forget_hash(self, block_id: int) -> None:
         block_hash = self.block_hash[block_id]

@@ -163,7 +163,10 @@ class Engine:
             return []
         start = time.perf_counter()
         hidden = self.drafter is not None and self.drafter.needs_token_hidden_states
-        res = self.runner.run(out, keep_token_hidden_states=hidden)
+        try:
+            res = self.runner.run(out, keep_token_hidden_states=hidden)
+        finally:  # the copies' sources are held until the copies are made
+            self.scheduler.block_manager.release_copies(out.copies)
         for i, lps in res.prompt_logprobs.items():
             out.seqs[i].prompt_logprobs += lps
         verification = self.verifier.verify(out, res)

@@ -203,7 +203,11 @@ class ModelRunner:
 
     def run(self, out: SchedulerOutput, keep_token_hidden_states: bool = False) -> StepResult:
         """One target forward over every scheduled sequence's query tokens; with
-        ``keep_token_hidden_states``, the hidden state of every query token is kept too."""
+        ``keep_token_hidden_states``, the hidden state of every query token is kept too. The
+        step's block copies (cached partial blocks, see :mod:`specdec.block_manager`) are made
+        first."""
+        if out.copies:
+            self.copy_blocks(out.copies)
         chunks: list[QueryChunk] = []
         sample_indices: list[int] = []
         num_logit_rows: list[int] = []
@@ -225,6 +229,14 @@ class ModelRunner:
             else {}
         )
         return StepResult(logits, hidden, sample_indices, num_logit_rows, starts, kept, prompt)
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks, (source, destination) pairs, in every layer."""
+        sources = torch.tensor([c[0] for c in copies], device=self.device)
+        targets = torch.tensor([c[1] for c in copies], device=self.device)
+        for cache in (*self.k_caches, *self.v_caches):
+            cache[targets] = cache[sources]
 
     @torch.inference_mode()
     def _prompt_logprobs(

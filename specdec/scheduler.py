@@ -30,6 +30,9 @@ class SchedulerOutput:
     seqs: list[Sequence] = field(default_factory=list)  # running this step, batch order
     num_scheduled_tokens: list[int] = field(default_factory=list)  # query tokens per sequence
     preempted: list[Sequence] = field(default_factory=list)  # sent back to waiting this step
+    # (source, destination) KV blocks to copy before the forward: cached partial blocks taken by
+    # sequences admitted this step (see specdec.block_manager)
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:
@@ -83,6 +86,7 @@ class Scheduler:
             out.num_scheduled_tokens.append(num_tokens)
             budget -= num_tokens
         self.waiting.extendleft(reversed(deferred))  # they keep their places in line
+        out.copies = self.block_manager.take_copies()
         return out
 
     def _shares_a_prefill(self, seq: Sequence) -> bool:

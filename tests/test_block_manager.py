@@ -96,3 +96,64 @@ def test_reset_prefix_cache_forgets_free_blocks_and_keeps_held_ones():
     twin = make_seq(list(range(9)), seq_id=3)
     bm.match_prefix(twin)  # `held` still holds its blocks: they stay shared
     assert twin.block_table == held.block_table[:2]
+
+
+def finished(tokens: list[int], computed: int, bm: BlockManager, seq_id: int = 0) -> Sequence:
+    """A sequence with ``computed`` of its tokens in the cache, then freed (as at its end)."""
+    seq = make_seq(tokens, seq_id)
+    bm.allocate(seq, len(tokens))
+    seq.num_computed_tokens = computed
+    bm.register_full_blocks(seq)
+    return seq
+
+
+def test_a_freed_partial_block_is_copied_for_sequences_that_continue_it():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    parent = finished(list(range(11)), 10, bm)  # 2 full blocks and 2 computed tokens
+    blocks = list(parent.block_table)
+    bm.free(parent)
+    child = make_seq(list(range(11)), seq_id=1)  # the parent's tokens, its last one new
+    bm.match_prefix(child)
+    assert child.block_table[:2] == blocks[:2] and child.block_table[2] != blocks[2]
+    assert child.num_computed_tokens == 10 and child.metrics.num_cached_tokens == 10
+    copies = bm.take_copies()
+    assert copies == [(blocks[2], child.block_table[2])] and bm.take_copies() == []
+    assert bm.ref_counts[blocks[2]] == 1  # held until the copy is made
+    bm.release_copies(copies)
+    assert bm.ref_counts[blocks[2]] == 0 and blocks[2] in bm.free_blocks
+    # a longer continuation takes the cached run too; one that differs inside it takes less
+    longer = make_seq([*range(10), 77, 78, 79], seq_id=2)
+    bm.match_prefix(longer)
+    assert longer.num_computed_tokens == 10
+    other = make_seq([0, 1, 2, 3, 4, 5, 6, 7, 8, 99, 5], seq_id=3)
+    bm.match_prefix(other)
+    assert other.num_computed_tokens == 8  # full blocks only: no cached run of [8, 99]
+    bm.release_copies(bm.take_copies())
+    for seq in (child, longer, other):
+        bm.free(seq)
+    assert bm.num_free_blocks == 8
+
+
+def test_a_partial_block_freed_before_its_copy_is_not_cached_and_nothing_leaks():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    bm.free(finished(list(range(7)), 6, bm))
+    child = make_seq(list(range(7)), seq_id=1)
+    bm.match_prefix(child)
+    assert child.num_computed_tokens == 6
+    empty = child.block_table[1]
+    bm.free(child)  # as when its admission fails: the copy is dropped, the source let go
+    assert bm.take_copies() == [] and bm.block_hash[empty] is None
+    assert bm.num_free_blocks == 8 and all(r == 0 for r in bm.ref_counts)
+    # tokens not computed are not cached; nor is a block without a free one for the copy
+    bm.free(finished(list(range(20, 27)), 4, bm, seq_id=2))
+    late = make_seq(list(range(20, 27)), seq_id=3)
+    bm.match_prefix(late)
+    assert late.num_computed_tokens == 4 and bm.take_copies() == []
+    bm.free(late)
+    tight = BlockManager(num_blocks=2, block_size=4)
+    tight.free(finished(list(range(7)), 6, tight))
+    holder = make_seq(list(range(30, 34)), seq_id=4)
+    tight.allocate(holder, 4)  # one block left free: the cached one itself
+    again = make_seq(list(range(7)), seq_id=5)
+    tight.match_prefix(again)
+    assert again.num_computed_tokens == 4 and tight.take_copies() == []

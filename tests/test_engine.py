@@ -72,6 +72,23 @@ def test_prefix_cache_hits_change_no_output(make_llm):
     assert all(o.metrics.num_cached_tokens >= 40 for o in outputs)
 
 
+def test_continuations_copy_the_cached_partial_block_and_change_no_output(make_llm):
+    """A request that continues an earlier one's tokens (a conversation's next turn, a beam one
+    token longer) copies the K/V of the earlier one's last, partial block instead of computing
+    it again: the same output as an engine without a prefix cache."""
+    llm = make_llm(block_size=4)
+    plain = make_llm(block_size=4, enable_prefix_caching=False)
+    prompt = list(range(100, 118))
+    first = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    out = llm.generate([prompt], first)[0].token_ids  # 26 tokens computed: 6 blocks and 2
+    later = [prompt + out, prompt + out + [5, 6, 7], prompt + out[:-2] + [8, 9]]
+    params = [SamplingParams(temperature=t, seed=3, max_tokens=12) for t in (0, 1, 0)]
+    outputs = llm.generate(later, params)
+    assert [o.metrics.num_cached_tokens for o in outputs] == [26, 26, 24]  # the last: 6 blocks
+    expected = plain.generate(later, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+
+
 def test_prompts_arriving_together_prefill_their_shared_blocks_once(make_llm):
     """The n choices of a request (and prompts with a common preamble) wait while the first
     prefills the blocks they share, then take them from the prefix cache: every prompt token
