@@ -84,8 +84,6 @@ def check_beam_config(config: transformers.GenerationConfig) -> None:
             f"`num_return_sequences` (={copies}) has to be smaller or equal to `num_beams` "
             f"(={config.num_beams})"
         )
-    if config.stop_strings:
-        raise ValueError("stop_strings with num_beams > 1 is not supported by specdec.wrap")
     check_early_stopping(config.early_stopping)
 
 

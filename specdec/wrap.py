@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import transformers
 from torch import nn
-from transformers.generation.stopping_criteria import MaxTimeCriteria
+from transformers.generation.stopping_criteria import MaxTimeCriteria, StopStringCriteria
 from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 
 from specdec import generate_semantics as hf
@@ -124,7 +124,7 @@ class WrappedModel:
         engine."""
         input_ids = kwargs.pop("input_ids", None) if inputs is None else inputs
         attention_mask = kwargs.pop("attention_mask", None)
-        kwargs.pop("tokenizer", None)  # for stop_strings; the engine has the model's own
+        tokenizer = kwargs.pop("tokenizer", None)  # for stop_strings (the engine has its own)
         processors = list(kwargs.pop("logits_processor", None) or [])
         criteria = list(kwargs.pop("stopping_criteria", None) or [])
         prompt_lookup = kwargs.pop("prompt_lookup_num_tokens", None)
@@ -152,6 +152,9 @@ class WrappedModel:
                     "assisted generation (assistant_model, prompt_lookup_num_tokens) needs "
                     "num_beams=1, as in transformers"
                 )
+            if config.stop_strings:  # a candidate that completes one completes its beam
+                text = tokenizer or self._engine(None, None, None, config).tokenizer
+                criteria.append(StopStringCriteria(text, config.stop_strings))
             return self._beam_generate(input_ids, attention_mask, config, processors, criteria)
         if streamer is not None and input_ids.shape[0] > 1:
             raise ValueError("a streamer works at batch size 1 only, as in transformers")

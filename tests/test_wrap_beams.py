@@ -158,8 +158,6 @@ def test_beam_arguments_are_refused():
         fast.generate(ids, num_beams=2, num_return_sequences=3)
     with pytest.raises(ValueError, match="early_stopping"):
         fast.generate(ids, num_beams=2, early_stopping="soon")
-    with pytest.raises(ValueError, match="stop_strings with num_beams"):
-        fast.generate(ids, num_beams=2, stop_strings="x", tokenizer=tokenizer)
     with pytest.raises(ValueError, match="streamer"):
         fast.generate(ids, num_beams=2, streamer=TextStreamer(tokenizer))
     with pytest.raises(ValueError, match="needs num_beams=1"):
@@ -200,3 +198,18 @@ def test_many_end_of_sequence_ids_widen_the_candidates():
     )  # fmt: skip
     expected = model.generate(ids, **options)
     assert_same_beams(expected, fast.generate(ids, **options))
+
+
+def test_stop_strings_complete_beams_as_transformers_does():
+    model, tokenizer = model_and_tokenizer()
+    fast = specdec.wrap(model, tokenizer)
+    ids = torch.tensor([tokenizer.encode("the quick brown fox")])
+    options = dict(
+        max_new_tokens=10, num_beams=3, num_return_sequences=3, do_sample=False, pad_token_id=0
+    )
+    free = model.generate(ids, **options)
+    text = tokenizer.decode(free[0, ids.shape[1] + 2 : ids.shape[1] + 4])  # met by the best beam
+    stopped = dict(options, stop_strings=[text], tokenizer=tokenizer)
+    expected = model.generate(ids, **stopped)
+    assert not torch.equal(expected, free)
+    assert torch.equal(fast.generate(ids, **stopped), expected)
