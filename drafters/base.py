@@ -60,6 +60,10 @@ class Drafter(Protocol):
     # Optional: ``runs_model(draft_class) -> bool``, whether drafts of that class come from the
     # drafter's model and cost its forwards (drafters/lookup_first.py: lookup's classes do not).
     # Without it, every class of a drafter with a ``draft_forward`` does.
+    # Optional: ``copy_blocks(copies)``, for a drafter that keeps K/V of its own by the engine's
+    # block ids and reads it at positions the target computed (EAGLE's head): copy those
+    # blocks, (source, destination) pairs, as the target's runner does for a cached partial
+    # block (specdec/block_manager.py), before the step's sources are let go.
 
     def propose(self, seqs: list[Sequence], num_drafts: list[int], step: FinishedStep) -> None:
         """Set ``seq.spec_token_ids`` to at most ``num_drafts[i]`` tokens for each running

@@ -190,6 +190,15 @@ class EagleDrafter(DrafterBase):
         if drafting:
             self._draft(drafting, ks)
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """The head's K/V of cached partial blocks, copied as the target's are (its rows at
+        positions the target computed: a prefix-cache hit takes them with the blocks)."""
+        attn = self.head.layer.self_attn
+        sources = torch.tensor([c[0] for c in copies], device=attn.k_cache.device)
+        targets = torch.tensor([c[1] for c in copies], device=attn.k_cache.device)
+        for cache in (attn.k_cache, attn.v_cache):
+            cache[targets] = cache[sources]
+
     def _queue(self, step: FinishedStep) -> None:
         """Queue the head's rows for every position the target computed and kept this step."""
         hidden = step.result.token_hidden_states

@@ -109,6 +109,11 @@ class LookupFirst:
         self.lookup.forget(seq)
         self._chosen.pop(seq.seq_id, None)
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        copy = getattr(self.inner, "copy_blocks", None)
+        if copy is not None:
+            copy(copies)
+
     def _source(self, seq: Sequence) -> int:
         """The class :meth:`draft_class` chose for ``seq`` as it is now (chosen again if not)."""
         cached = self._chosen.get(seq.seq_id)

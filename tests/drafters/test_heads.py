@@ -364,3 +364,24 @@ def test_a_bad_mixed_precision_is_refused(prompts_file, tmp_path):
     with pytest.raises(ValueError, match="mixed_precision must be 'auto', 'bf16' or 'no'"):
         tiny_config("eagle", tmp_path, prompts_file, mixed_precision="fp8")
     assert tiny_config("eagle", tmp_path, prompts_file, mixed_precision="no").precision() == "no"
+
+
+def test_eagle_copies_its_own_kv_of_a_cached_partial_block(make_llm, trained):
+    """A continuation takes the earlier request's partial block as a copy: the head's K/V
+    there is copied too (it reads its own cache at positions the target computed), and the
+    output is plain decoding's."""
+    spec = make_llm(
+        speculative=SpecConfig("eagle", 4, adaptive=False, heads=trained["eagle"]), block_size=4
+    )
+    first = spec.generate([PROMPTS[0]], GREEDY)[0]
+    copies: list[tuple[int, int]] = []
+    copy = spec.engine.drafter.copy_blocks
+    spec.engine.drafter.copy_blocks = lambda pairs: copies.extend(pairs) or copy(pairs)
+    attn = spec.engine.drafter.head.layer.self_attn
+    snapshot = attn.k_cache.clone()
+    continued = PROMPTS[0] + first.token_ids
+    out = spec.generate([continued], GREEDY)[0]
+    assert out.metrics.num_cached_tokens == len(continued) - 1 and len(copies) == 1
+    (source, target), kept = copies[0], (len(continued) - 1) % 4
+    assert kept and torch.equal(attn.k_cache[target, :kept], snapshot[source, :kept])
+    assert out.token_ids == make_llm().generate([continued], GREEDY)[0].token_ids
