@@ -1,7 +1,7 @@
 """transformers' ``generate`` semantics, for :mod:`specdec.wrap`: how a call's generation
-config is resolved and checked, how its inputs become prompts and sampling parameters, and how
-the engine's outputs become transformers' tensors (``sequences``, per-step ``scores`` and
-``logits``).
+config is resolved and checked, how its inputs become prompts and sampling parameters, how its
+stopping criteria end rows, and how the engine's outputs become transformers' tensors
+(``sequences``, per-step ``scores`` and ``logits``, beam search's outputs).
 
 Terms follow transformers: *processors* change logits (``min_new_tokens`` masks the EOS ids),
 *warpers* shape the sampling distribution (temperature, top-k, top-p, min-p).
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import transformers
@@ -19,7 +20,9 @@ from transformers.generation.logits_process import LogitsProcessor
 
 from specdec.beam_search import Beam, check_early_stopping
 from specdec.config import SamplingParams
+from specdec.llm import LLM, merge_delta
 from specdec.loader import eos_ids_of
+from specdec.outputs import RequestOutput
 from specdec.sampling import process_logits_for
 from specdec.token_rules import (
     apply_logits_processors,
@@ -333,3 +336,58 @@ def per_step(rows: list[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
         if r is not None:
             out[: len(r), b] = r
     return tuple(out.unbind(0))
+
+
+def generate_until(
+    llm: LLM, prompts: list[list[int]], params: list[SamplingParams], criteria: list[Any]
+) -> list[RequestOutput]:
+    """``llm.generate``, each row also ending at the first token after which one of
+    transformers' ``stopping_criteria`` holds for it (that token kept, as ``generate`` keeps
+    it); the engine drops the row there, tokens it drafted past the stop included."""
+    engine = llm.engine
+    ids = []
+    totals: dict[int, RequestOutput] = {}
+    try:
+        for prompt, sp in zip(prompts, params):
+            ids.append(engine.add_request(prompt, sp))
+            totals[ids[-1]] = RequestOutput(ids[-1], prompt)
+        while engine.has_unfinished():
+            for delta in engine.step():
+                total = totals[delta.request_id]
+                if total.finished:
+                    continue
+                start = len(total.token_ids)
+                merge_delta(total, delta)
+                stop = first_stop(criteria, total, start)
+                if stop is not None:
+                    cut_output(total, stop)
+                    engine.abort(delta.request_id)
+    except BaseException:
+        for request_id in ids:
+            engine.abort(request_id)
+        raise
+    return [totals[i] for i in ids]
+
+
+def first_stop(criteria: list[Any], total: RequestOutput, start: int) -> int | None:
+    """The length of ``total``'s output up to the first of its tokens from ``start`` on after
+    which a criterion holds (None: none does)."""
+    for end in range(start + 1, len(total.token_ids) + 1):
+        if criteria_met(criteria, total.prompt_token_ids + total.token_ids[:end]):
+            return end
+    return None
+
+
+def criteria_met(criteria: list[Any], tokens: list[int]) -> bool:
+    """Whether one of transformers' stopping criteria holds for a row of these tokens (called
+    as ``generate`` calls them, on ``[1, L]`` ids; the scores they are given are None)."""
+    ids = torch.tensor([tokens])
+    return any(bool(criterion(ids, None)[0]) for criterion in criteria)
+
+
+def cut_output(total: RequestOutput, length: int) -> None:
+    """End ``total`` after its first ``length`` tokens."""
+    total.token_ids = total.token_ids[:length]
+    if total.logits is not None:
+        total.logits = total.logits[:length]
+    total.finished, total.finish_reason = True, "stop"

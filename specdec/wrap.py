@@ -169,7 +169,7 @@ class WrappedModel:
         if streamer is not None:
             outputs = [_stream(llm, prompts[0], params[0], input_ids, streamer, criteria)]
         elif criteria:
-            outputs = _generate_until(llm, prompts, params, criteria)
+            outputs = hf.generate_until(llm, prompts, params, criteria)
         else:
             outputs = llm.generate(prompts, params)
         new_tokens = [out.token_ids for out in outputs]
@@ -223,7 +223,9 @@ class WrappedModel:
             early_stopping=config.early_stopping,
             process=process,
             sample=bool(config.do_sample),
-            stops=(lambda prompt, tokens: _met(criteria, prompt + tokens)) if criteria else None,
+            stops=(lambda prompt, tokens: hf.criteria_met(criteria, prompt + tokens))
+            if criteria
+            else None,
             record=record,
         )
         result = run_search(self._engine(None, None, None, config), prompts, search)
@@ -344,66 +346,11 @@ def _stream(
             if delta.token_ids:
                 start = len(total.token_ids)
                 merge_delta(total, delta)
-                stop = _first_stop(criteria, total, start)
+                stop = hf.first_stop(criteria, total, start)
                 streamer.put(torch.tensor(total.token_ids[start:stop]))
                 if stop is not None:
-                    _cut(total, stop)
+                    hf.cut_output(total, stop)
                     break  # closing the stream aborts the request
     finally:
         streamer.end()
     return total
-
-
-def _generate_until(
-    llm: LLM, prompts: list[list[int]], params: list[SamplingParams], criteria: list[Any]
-) -> list[RequestOutput]:
-    """``llm.generate``, each row also ending at the first token after which one of
-    transformers' ``stopping_criteria`` holds for it (that token kept, as ``generate`` keeps
-    it); the engine drops the row there, tokens it drafted past the stop included."""
-    engine = llm.engine
-    ids = []
-    totals: dict[int, RequestOutput] = {}
-    try:
-        for prompt, sp in zip(prompts, params):
-            ids.append(engine.add_request(prompt, sp))
-            totals[ids[-1]] = RequestOutput(ids[-1], prompt)
-        while engine.has_unfinished():
-            for delta in engine.step():
-                total = totals[delta.request_id]
-                if total.finished:
-                    continue
-                start = len(total.token_ids)
-                merge_delta(total, delta)
-                stop = _first_stop(criteria, total, start)
-                if stop is not None:
-                    _cut(total, stop)
-                    engine.abort(delta.request_id)
-    except BaseException:
-        for request_id in ids:
-            engine.abort(request_id)
-        raise
-    return [totals[i] for i in ids]
-
-
-def _first_stop(criteria: list[Any], total: RequestOutput, start: int) -> int | None:
-    """The length of ``total``'s output up to the first of its tokens from ``start`` on after
-    which a criterion holds (None: none does)."""
-    for end in range(start + 1, len(total.token_ids) + 1):
-        if _met(criteria, total.prompt_token_ids + total.token_ids[:end]):
-            return end
-    return None
-
-
-def _met(criteria: list[Any], tokens: list[int]) -> bool:
-    """Whether one of transformers' stopping criteria holds for a row of these tokens (called
-    as ``generate`` calls them, on ``[1, L]`` ids; the scores they are given are None)."""
-    ids = torch.tensor([tokens])
-    return any(bool(criterion(ids, None)[0]) for criterion in criteria)
-
-
-def _cut(total: RequestOutput, length: int) -> None:
-    """End ``total`` after its first ``length`` tokens."""
-    total.token_ids = total.token_ids[:length]
-    if total.logits is not None:
-        total.logits = total.logits[:length]
-    total.finished, total.finish_reason = True, "stop"
