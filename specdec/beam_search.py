@@ -144,54 +144,84 @@ def beam_search(
     return results
 
 
+def step_params() -> SamplingParams:
+    """What each beam asks the engine for: its next-token logits, and nothing drawn (seeded:
+    a request draws no seed from torch's global generator, which beam sampling reads)."""
+    return SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, return_logits=True, seed=0)
+
+
 def run(llm: LLM, prompts: list[list[int]], search: Search) -> SearchResult:
     """Search every prompt's beams, the live beams of all prompts in one engine batch a step."""
-    width = search.width
-    live: list[list[Beam]] = [[Beam()] for _ in prompts]
-    completed: list[list[Beam]] = [[] for _ in prompts]
-    improvable = [True] * len(prompts)  # transformers' early-stop heuristic, not yet met
-    stopped = [False] * len(prompts)  # no later step changes this prompt's completed list
-    # seeded: a request draws no seed from torch's global generator, which beam sampling reads
-    step_params = SamplingParams(
-        max_tokens=1, temperature=0, ignore_eos=True, return_logits=True, seed=0
-    )
-    result = SearchResult(completed)
-    for step in range(search.max_tokens):
-        if all(stopped):
-            break
-        queued = [
-            (i, beam)
-            for i, beams in enumerate(live)
-            if search.record or search.sample or not stopped[i]
-            for beam in beams
-        ]
-        if not queued:
-            break
-        outputs = llm.generate([prompts[i] + beam.token_ids for i, beam in queued], step_params)
-        logits = torch.cat([out.logits for out in outputs if out.logits is not None]).float()
+    searcher = BeamSearcher(prompts, search)
+    while requests := searcher.requests():
+        outputs = llm.generate(requests, step_params())
+        searcher.advance(torch.cat([out.logits for out in outputs if out.logits is not None]))
+    return searcher.result
+
+
+class BeamSearcher:
+    """The search, one step at a time, for any caller that runs the model: :meth:`requests` are
+    the token lists whose next-token logits the next step needs (none once the search is over),
+    :meth:`advance` takes those logits, in that order. :func:`run` drives it through
+    ``LLM.generate``; the server through its engine thread (specdec/serving/beams.py)."""
+
+    def __init__(self, prompts: list[list[int]], search: Search):
+        self.prompts, self.search = prompts, search
+        self.live: list[list[Beam]] = [[Beam()] for _ in prompts]
+        self.result = SearchResult([[] for _ in prompts])
+        self.improvable = [True] * len(prompts)  # transformers' early-stop heuristic, not yet met
+        self.stopped = [False] * len(prompts)  # no later step changes this prompt's hypotheses
+        self.step = 0
+        self.queued: list[tuple[int, Beam]] = []  # the beams of the requests handed out
+
+    def requests(self) -> list[list[int]]:
+        """The next step's beams, as prompts (empty: the search is over)."""
+        search = self.search
+        self.queued = []
+        if self.step < search.max_tokens and not all(self.stopped):
+            self.queued = [
+                (i, beam)
+                for i, beams in enumerate(self.live)
+                if search.record or search.sample or not self.stopped[i]
+                for beam in beams
+            ]
+        return [self.prompts[i] + beam.token_ids for i, beam in self.queued]
+
+    def advance(self, logits: torch.Tensor) -> None:
+        """One step, from the raw next-token logits of :meth:`requests`' beams, ``[n, V]``."""
+        search, queued, width = self.search, self.queued, self.search.width
+        logits = logits.float()
         rows = torch.log_softmax(logits, dim=-1)
         if search.process is not None:
             rows = torch.stack(
-                [search.process(row, prompts[i], beam.token_ids) for row, (i, beam) in
+                [search.process(row, self.prompts[i], beam.token_ids) for row, (i, beam) in
                  zip(rows, queued)]
             )  # fmt: skip
         if search.record:
-            result.logits.append(_by_slot(logits, queued, len(prompts), width))
-            result.scores.append(_by_slot(rows, queued, len(prompts), width))
+            self.result.logits.append(_by_slot(logits, queued, len(self.prompts), width))
+            self.result.scores.append(_by_slot(rows, queued, len(self.prompts), width))
         start = 0
         for i in sorted({i for i, _ in queued}):
-            n = len(live[i])
-            live[i] = _extend(
-                search, i, prompts[i], live[i], rows[start : start + n], completed, stopped[i]
+            n = len(self.live[i])
+            self.live[i] = _extend(
+                search,
+                i,
+                self.prompts[i],
+                self.live[i],
+                rows[start : start + n],
+                self.result.completed,
+                self.stopped[i],
             )
             start += n
-            if improvable[i]:
-                improvable[i] = _improvable(search, live[i], completed[i], step + 1)
-            full = len(completed[i]) == width
+            if self.improvable[i]:
+                self.improvable[i] = _improvable(
+                    search, self.live[i], self.result.completed[i], self.step + 1
+                )
+            full = len(self.result.completed[i]) == width
             # (no live beam: every candidate completed, by a stopping criterion)
-            stopped[i] = not improvable[i] or (search.early_stopping is True and full)
-            stopped[i] = stopped[i] or not live[i]
-    return result
+            stopped = not self.improvable[i] or (search.early_stopping is True and full)
+            self.stopped[i] = stopped or not self.live[i]
+        self.step += 1
 
 
 def _extend(
