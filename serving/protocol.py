@@ -77,12 +77,16 @@ class GenerationFields(GuidedFields):
     # extra; keep the prompt's last k tokens (-1: as many as leave room for one new token)
     truncate_prompt_tokens: int | None = Field(None, ge=-1, lt=2**31)
     guided_grammar: Any = None
-    use_beam_search: Any = None  # vLLM's; beam search runs offline only (LLM.beam_search)
+    # extra (vLLM's): n beams searched, the n best returned (specdec/serving/beams.py), ranked
+    # by logprob sum / length ** length_penalty; early_stopping: transformers' (False, True,
+    # "never")
+    use_beam_search: bool | None = None
+    length_penalty: float | None = Field(None, allow_inf_nan=False)
+    early_stopping: bool | str | None = None
 
     # Known but not implemented: accepted only at their neutral values (see the module docstring).
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
         "guided_grammar": (None,),
-        "use_beam_search": (None, False),
     }
 
     @field_validator("stop", mode="before")
@@ -93,6 +97,13 @@ class GenerationFields(GuidedFields):
         if value is None or (isinstance(value, list) and all(isinstance(s, str) for s in value)):
             return value
         raise ValueError("must be a string or a list of strings")
+
+    @field_validator("early_stopping")
+    @classmethod
+    def _transformers_early_stopping(cls, value: bool | str | None) -> bool | str | None:
+        if value is None or isinstance(value, bool) or value == "never":
+            return value
+        raise ValueError('must be true, false or "never"')
 
     @field_validator("truncate_prompt_tokens")
     @classmethod

@@ -24,6 +24,7 @@ from fastapi.responses import Response
 from pydantic import Field, ValidationInfo, field_validator
 
 from specdec.llm import ChatOptions
+from specdec.serving.errors import APIError
 from specdec.serving.guided import format_guide, guides_given
 from specdec.serving.protocol import (
     ChatMessage,
@@ -252,6 +253,9 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
     state = server_state(request)
     check_model(state, body.model)
     check_stops(state, body)
+    if body.use_beam_search:
+        message = "use_beam_search is not supported by the Responses API: use chat completions"
+        raise APIError(400, message, param="use_beam_search")
     names = auto_tools(state, body)
     text = await render_chat(state, body.conversation(), body.chat_options(), "input")
     prompt = await tokenize(state, text, body.longer_part())

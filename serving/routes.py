@@ -22,6 +22,7 @@ from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
 from specdec.llm import ChatOptions
+from specdec.serving.beams import BeamGeneration, check_beam_request
 from specdec.serving.bridge import GenerationRequest
 from specdec.serving.errors import APIError
 from specdec.serving.generation import Generation, server_sent_events, until_disconnected
@@ -133,6 +134,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         message = "max_tokens may be 0 only with echo set to true (to score the prompt alone)"
         raise APIError(400, message, param="max_tokens")
     truncate = body.truncate_prompt_tokens
+    if body.use_beam_search:
+        check_beam_request(body)
     prompts = [await tokenize(state, prompt, "prompt", truncate) for prompt in body.prompt]
     generation = make_generation(state, body, prompts, "prompt")
     echo = None
@@ -156,6 +159,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     check_model(state, body.model)
     check_stops(state, body)
     show_prompt_logprobs = check_prompt_logprobs(body)
+    if body.use_beam_search:
+        check_beam_request(body)
     names = auto_tools(state, body)
     text = await render_chat(state, body.conversation(), body.chat_options())
     prompt = await tokenize(state, text, "messages", body.truncate_prompt_tokens)
@@ -276,7 +281,12 @@ def make_generation(
     state: ServerState, body: GenerationFields, prompts: list[list[int]], prompt_param: str
 ) -> Generation:
     """One request per prompt and choice (prompt-major), with max_tokens fitted to the context
-    (``max_tokens`` 0, allowed with echo, generates one token that the generation drops)."""
+    (``max_tokens`` 0, allowed with echo, generates one token that the generation drops); with
+    ``use_beam_search``, a beam search per prompt (specdec/serving/beams.py)."""
+    max_model_len = state.llm.engine.max_model_len
+    if body.use_beam_search:
+        limits = [max(1, fit_max_tokens(body, len(p), max_model_len)) for p in prompts]
+        return BeamGeneration(state, body, prompts, limits, prompt_param)
     requests = []
     for prompt in prompts:
         max_tokens = fit_max_tokens(body, len(prompt), state.llm.engine.max_model_len)
