@@ -28,11 +28,21 @@ def stop_ids(model, tokenizer) -> list[int]:  # noqa: ANN001
     return [int(row[ids.shape[1] + 4 + i]) for i, row in enumerate(free)]
 
 
-def test_criteria_end_rows_as_transformers_does():
+def with_criteria():  # noqa: ANN201
+    """The model, its wrap, criteria that end each row of TEXTS early, and TEXTS padded."""
     model, tokenizer = model_and_tokenizer()
-    fast = specdec.wrap(model, tokenizer)
     criteria = StoppingCriteriaList([EndsWith(stop_ids(model, tokenizer))])
-    ids, mask = left_padded(tokenizer, TEXTS)
+    return (
+        model,
+        tokenizer,
+        specdec.wrap(model, tokenizer),
+        criteria,
+        *left_padded(tokenizer, TEXTS),
+    )
+
+
+def test_criteria_end_rows_as_transformers_does():
+    model, tokenizer, fast, criteria, ids, mask = with_criteria()
     options = dict(
         attention_mask=mask, max_new_tokens=20, do_sample=False, stopping_criteria=criteria
     )
@@ -55,10 +65,7 @@ def test_criteria_end_rows_as_transformers_does():
 
 
 def test_criteria_complete_beams_as_transformers_does():
-    model, tokenizer = model_and_tokenizer()
-    fast = specdec.wrap(model, tokenizer)
-    criteria = StoppingCriteriaList([EndsWith(stop_ids(model, tokenizer))])
-    ids, mask = left_padded(tokenizer, TEXTS)
+    model, _, fast, criteria, ids, mask = with_criteria()
     options = dict(
         attention_mask=mask, max_new_tokens=12, num_beams=3, num_return_sequences=2,
         do_sample=False, pad_token_id=0, stopping_criteria=criteria,
