@@ -102,7 +102,8 @@ class BeamGeneration(Generation):
             beams = searcher.result.completed[0]
             for rank, beam in enumerate(beams):
                 choice = self.choices[p * self.width + rank]
-                choice.text = await asyncio.to_thread(self._decode, beam.token_ids)
+                body = beam.token_ids[:-1] if beam.finished else beam.token_ids  # no EOS text
+                choice.text = await asyncio.to_thread(self._decode, body)
                 choice.num_tokens = len(beam.token_ids)
                 choice.finish_reason = "stop" if beam.finished else "length"
         return True

@@ -33,6 +33,7 @@ so that a seed set with ``torch.manual_seed`` draws the same candidates).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -63,7 +64,12 @@ class BeamSearchParams:
     beam_width: int  # beams kept per step, and sequences returned per prompt
     max_tokens: int  # most tokens per beam
     ignore_eos: bool = False  # an end-of-sequence token does not complete a beam
+    # > 0: beams ranked by the log-probabilities of logits / temperature (as vLLM's V0 engine
+    # scored them); 0 (the default) or 1: by the model's own
+    temperature: float = 0.0
     length_penalty: float = 1.0  # a beam's score: logprob sum / length ** length_penalty
+    # a beam that an end-of-sequence token completed keeps that token's text in `text`
+    include_stop_str_in_output: bool = False
     early_stopping: bool | str = False  # when a prompt's search stops (see the module doc)
 
     def __post_init__(self) -> None:
@@ -74,6 +80,9 @@ class BeamSearchParams:
         if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens!r}")
         check_early_stopping(self.early_stopping)
+        t = self.temperature
+        if not (isinstance(t, int | float) and not isinstance(t, bool) and 0 <= t < math.inf):
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
 
 
 @dataclass(slots=True)
@@ -110,6 +119,7 @@ class Search:
     eos: tuple[int, ...]  # ids that complete a beam (none: only max_tokens does)
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    temperature: float = 0.0  # > 0: rank by the log-probabilities of logits / temperature
     process: RowRule | None = None  # transformers' logits processors, on log-probabilities
     sample: bool = False  # draw the candidates (transformers' beam sampling) instead of the best
     # (prompt, a candidate's tokens) -> whether it completes there anyway (transformers'
@@ -134,12 +144,21 @@ def beam_search(
     """``LLM.beam_search``: every prompt's ``beam_width`` best continuations, best first."""
     eos = () if params.ignore_eos else tuple(llm.engine.eos_token_ids)
     search = Search(
-        params.beam_width, params.max_tokens, eos, params.length_penalty, params.early_stopping
+        params.beam_width,
+        params.max_tokens,
+        eos,
+        params.length_penalty,
+        params.early_stopping,
+        params.temperature,
     )
+    detokenizer = llm.engine.detokenizer
     results = []
     for prompt, beams in zip(prompts, run(llm, prompts, search).completed):
-        for beam in beams:
-            beam.text = llm.engine.detokenizer.decode(beam.token_ids)
+        for beam in beams:  # a completing end-of-sequence token's text only where asked for
+            body = beam.token_ids[:-1] if beam.finished else beam.token_ids
+            beam.text = detokenizer.decode(body)
+            if beam.finished and params.include_stop_str_in_output:
+                beam.text += detokenizer.decode(beam.token_ids[-1:], skip_special_tokens=False)
         results.append(BeamSearchOutput(prompt, beams))
     return results
 
@@ -191,7 +210,8 @@ class BeamSearcher:
         """One step, from the raw next-token logits of :meth:`requests`' beams, ``[n, V]``."""
         search, queued, width = self.search, self.queued, self.search.width
         logits = logits.float()
-        rows = torch.log_softmax(logits, dim=-1)
+        scaled = logits / search.temperature if search.temperature > 0 else logits
+        rows = torch.log_softmax(scaled, dim=-1)
         if search.process is not None:
             rows = torch.stack(
                 [search.process(row, self.prompts[i], beam.token_ids) for row, (i, beam) in
