@@ -157,3 +157,78 @@ def test_a_partial_block_freed_before_its_copy_is_not_cached_and_nothing_leaks()
     again = make_seq(list(range(7)), seq_id=5)
     tight.match_prefix(again)
     assert again.num_computed_tokens == 4 and tight.take_copies() == []
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_traffic_keeps_counts_and_contents_right(seed):
+    """Random sequences (continuations of earlier ones among them) admitted, computed and freed
+    against a small pool: after every operation each block's reference count is its holders
+    (sequences and pending copies' sources), the free list is exactly the unheld blocks, and
+    every position a sequence counts as computed holds its own token in the "K/V" written so
+    far (copies included): what a hit or a copy hands over is what the request would compute."""
+    import random
+
+    rng = random.Random(seed)
+    bs, num_blocks = 4, 24
+    bm = BlockManager(num_blocks=num_blocks, block_size=bs)
+    kv: dict[tuple[int, int], int] = {}  # (block, slot) -> the token whose K/V is there
+    done: list[list[int]] = []  # token lists of freed sequences, to continue
+    live: list[Sequence] = []
+    taken: list[tuple[int, int]] = []  # copies handed out, not yet made
+
+    def check() -> None:
+        pending = {**bm.copies, **{target: source for source, target in taken}}
+        holders = [0] * num_blocks
+        for seq in live:
+            for block in seq.block_table:
+                holders[block] += 1
+        for source in pending.values():
+            holders[source] += 1
+        assert bm.ref_counts == holders
+        assert set(bm.free_blocks) == {b for b in range(num_blocks) if holders[b] == 0}
+        for seq in live:
+            for pos in range(seq.num_computed_tokens):
+                block = seq.block_table[pos // bs]
+                if block not in pending:  # a pending copy is made before the forward
+                    assert kv.get((block, pos % bs)) == seq.token_ids[pos], (seq.seq_id, pos)
+
+    for step in range(400):
+        if live and (rng.random() < 0.3 or bm.num_free_blocks < 2):
+            seq = live.pop(rng.randrange(len(live)))
+            computed = rng.randint(max(0, seq.num_computed_tokens), seq.num_tokens)
+            for pos in range(seq.num_computed_tokens, computed):  # computes some, then ends
+                kv[(seq.block_table[pos // bs], pos % bs)] = seq.token_ids[pos]
+            seq.num_computed_tokens = computed
+            bm.register_full_blocks(seq)
+            done.append(seq.token_ids[: computed + 1])
+            bm.free(seq)
+        else:
+            if done and rng.random() < 0.7:  # continue (or diverge from) an earlier sequence
+                base = rng.choice(done)
+                cut = rng.randint(1, len(base))
+                tokens = base[:cut] + [rng.randrange(5) for _ in range(rng.randint(1, 6))]
+            else:
+                tokens = [rng.randrange(5) for _ in range(rng.randint(2, 30))]
+            seq = make_seq(tokens, seq_id=step)
+            bm.match_prefix(seq)
+            assert seq.num_computed_tokens < seq.num_tokens  # the last token is computed
+            if not bm.can_allocate(seq, seq.num_tokens):
+                bm.free(seq)  # as admission gives its hits back
+                check()
+                continue
+            bm.allocate(seq, seq.num_tokens)
+            live.append(seq)
+            copies = taken[:] = bm.take_copies()
+            check()
+            for source, target in copies:  # the runner's copy, then the sources let go
+                for slot in range(bs):
+                    if (source, slot) in kv:
+                        kv[(target, slot)] = kv[(source, slot)]
+                    else:
+                        kv.pop((target, slot), None)
+            bm.release_copies(copies)
+            taken.clear()
+        check()
+    for seq in live:
+        bm.free(seq)
+    assert bm.num_free_blocks == num_blocks and not any(bm.ref_counts)
