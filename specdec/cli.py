@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from specdec.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
 from specdec.cli_options import model_options, spec_config, speculation_options
 from specdec.config import SamplingParams
 from specdec.outputs import TokenLogprobs
@@ -57,6 +58,19 @@ def main() -> None:
     help="Make the output JSON that this JSON Schema accepts (its text, or @FILE).",
 )
 @click.option("--raw", is_flag=True, help="Use prompts as raw text (skip the chat template).")
+@click.option(
+    "--beam-width",
+    default=None,
+    type=click.IntRange(1, MAX_BEAM_WIDTH),
+    help="Beam search of this width instead of sampling: print each prompt's best beams.",
+)
+@click.option(
+    "--length-penalty",
+    default=1.0,
+    show_default=True,
+    type=float,
+    help="With --beam-width: beams ranked by logprob sum / length ** this.",
+)
 @speculation_options
 @click.option("--stats", is_flag=True, help="Print the speculation summary.")
 def generate(
@@ -75,9 +89,12 @@ def generate(
     draft_quantization: str | None,
     heads: str | None,
     lookup_first: int | None,
+    beam_width: int | None,
+    length_penalty: float,
     **sampling: Any,
 ) -> None:
-    """Generate a completion for each PROMPT, in one continuous batch."""
+    """Generate a completion for each PROMPT, in one continuous batch (or, with --beam-width,
+    search each one's best continuations)."""
     from specdec.llm import LLM
 
     sampling["choice"] = list(sampling["choice"]) or None
@@ -104,6 +121,8 @@ def generate(
             device=device,
             cuda_graphs=cuda_graphs,
         )
+        if beam_width is not None:
+            return beam_search(llm, prompts, raw, params, beam_width, length_penalty)
         start = time.perf_counter()
         if raw:
             outputs = llm.generate(list(prompts), params)
@@ -132,6 +151,40 @@ def generate(
     )
     if stats:
         click.echo(spec_summary(llm), err=True)
+
+
+def beam_search(
+    llm: Any,
+    prompts: tuple[str, ...],
+    raw: bool,
+    params: SamplingParams,
+    width: int,
+    penalty: float,
+) -> None:
+    """``generate --beam-width``: each prompt's ``width`` best beams, best first, with their
+    summed logprobs (only ``--max-tokens`` and the prompt shape them)."""
+    sampled = params.temperature > 0 or params.logprobs is not None or params.has_penalties
+    if sampled or params.choice or params.regex or params.json_schema:
+        raise click.ClickException(
+            "--beam-width ranks beams by the model's own logprobs: leave --temperature, the "
+            "penalties, --logprobs and the guides (--choice, --regex, --json-schema) unset"
+        )
+    texts = [p if raw else llm.render_chat([{"role": "user", "content": p}]) for p in prompts]
+    start = time.perf_counter()
+    results = llm.beam_search(
+        texts, BeamSearchParams(width, params.max_tokens, length_penalty=penalty)
+    )
+    elapsed = time.perf_counter() - start
+    for prompt, result in zip(prompts, results):
+        click.echo(f"### {prompt}")
+        for rank, beam in enumerate(result.sequences, 1):
+            end = "stop" if beam.finished else "length"
+            click.echo(
+                f"[{rank}] {beam.text.strip()}\n    [{len(beam.token_ids)} tokens, "
+                f"logprob sum {beam.cum_logprob:.3f}, finish_reason={end}]"
+            )
+        click.echo("")
+    click.echo(f"{len(prompts)} prompts, {width} beams each, in {elapsed:.2f} s", err=True)
 
 
 def echo_logprobs(tokenizer: Any, logprobs: list[TokenLogprobs]) -> None:

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 from click.testing import CliRunner
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdec import LLM, SamplingParams
 from specdec.cli import main
@@ -117,6 +117,29 @@ def test_cli_generate_prints_completions():
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert re.search(r"\n[0-9]{4}\n\[\d tokens, finish_reason=stop\]", result.output)
+
+
+def test_cli_generate_searches_beams(hf_model):
+    args = ["generate", "--raw", "--beam-width", "3", "--max-tokens", "6"]
+    result = CliRunner().invoke(main, [*args, "The capital of France is"])
+    assert result.exit_code == 0, result.output
+    pattern = r"\[(\d)\] (.*?)\n    \[(\d+) tokens, logprob sum (-[\d.]+)"
+    lines = re.findall(pattern, result.output, flags=re.S)  # a beam's text may hold new lines
+    assert [int(rank) for rank, *_ in lines] == [1, 2, 3]
+    scores = [float(total) / int(n) for _, _, n, total in lines]  # length_penalty 1
+    assert scores == sorted(scores, reverse=True)
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    ids = tokenizer.encode("The capital of France is", add_special_tokens=False)
+    expected = hf_model.generate(
+        torch.tensor([ids]), num_beams=3, num_return_sequences=3, max_new_tokens=6,
+        do_sample=False, early_stopping=False,
+    )  # fmt: skip
+    texts = tokenizer.batch_decode(expected[:, len(ids) :], skip_special_tokens=True)
+    assert [text for _, text, *_ in lines] == [t.strip() for t in texts]
+    refused = CliRunner().invoke(
+        main, ["generate", "--beam-width", "2", "--temperature", "0.7", "Hi"]
+    )
+    assert refused.exit_code != 0 and "--beam-width ranks beams" in refused.output
 
 
 def test_cli_generate_follows_a_json_schema_from_a_file(tmp_path):
