@@ -96,10 +96,9 @@ class Beam:
     # for each token, the slot (prompt index * width + rank among the step's beams) of the beam
     # it extended: transformers' ``beam_indices``
     slots: list[int] = field(default_factory=list)
-    normalized: float = 0.0  # the score it was ranked by when it completed (float32)
-
-    def score(self, length_penalty: float) -> float:
-        return self.cum_logprob / max(1, len(self.token_ids)) ** length_penalty
+    # the score it was ranked by when it completed: cum_logprob / length ** length_penalty,
+    # in float32
+    normalized: float = 0.0
 
 
 @dataclass(slots=True)
@@ -229,7 +228,7 @@ class BeamSearcher:
                 self.prompts[i],
                 self.live[i],
                 rows[start : start + n],
-                self.result.completed,
+                self.result.completed[i],
                 self.stopped[i],
             )
             start += n
@@ -250,10 +249,10 @@ def _extend(
     prompt: list[int],
     beams: list[Beam],
     rows: torch.Tensor,  # [len(beams), V] the rows the search ranks
-    completed: list[list[Beam]],
+    completed: list[Beam],  # the prompt's completed hypotheses, best first (updated in place)
     stopped: bool,
 ) -> list[Beam]:
-    """One step of prompt ``i``'s search: its next beams; its completed list updated in place."""
+    """One step of prompt ``i``'s search: its next beams."""
     width, vocab = search.width, rows.shape[1]
     keep = max(2, 1 + len(search.eos)) * width
     cum = torch.tensor([beam.cum_logprob for beam in beams], dtype=torch.float32)
@@ -285,8 +284,8 @@ def _extend(
         elif len(following) < width:
             following.append(extended)
     if ended:  # the best `width` of those completed before and now (earlier ones first on ties)
-        merged = sorted(completed[i] + ended, key=lambda b: b.normalized, reverse=True)
-        completed[i][:] = merged[:width]
+        merged = sorted(completed + ended, key=lambda b: b.normalized, reverse=True)
+        completed[:] = merged[:width]
     return following
 
 

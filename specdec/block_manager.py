@@ -153,9 +153,7 @@ class BlockManager:
         full, rest = divmod(computed, self.block_size)
         if not rest or full >= len(seq.block_table) or len(seq.block_hashes) < full:
             return
-        block_id = seq.block_table[full]
-        if block_id in self.copies or self.block_hash[block_id] is not None:
-            return  # not filled yet, or cached already
+        block_id = seq.block_table[full]  # (a copy still pending has the source's key: skipped)
         start = full * self.block_size
         parent = seq.block_hashes[full - 1] if full else None
         key = self.hash_partial(parent, seq.token_ids[start : start + rest])

@@ -165,9 +165,10 @@ class Engine:
         hidden = self.drafter is not None and self.drafter.needs_token_hidden_states
         try:
             res = self.runner.run(out, keep_token_hidden_states=hidden)
-            copy = getattr(self.drafter, "copy_blocks", None)
-            if out.copies and copy is not None:  # a drafter's own K/V by block (EAGLE's)
-                copy(out.copies)
+            if out.copies:  # and a drafter's own K/V by block (EAGLE's)
+                copy = getattr(self.drafter, "copy_blocks", None)
+                if copy is not None:
+                    copy(out.copies)
         finally:  # the copies' sources are held until the copies are made
             self.scheduler.block_manager.release_copies(out.copies)
         for i, lps in res.prompt_logprobs.items():

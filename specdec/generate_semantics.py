@@ -303,7 +303,7 @@ def beam_warpers(config: transformers.GenerationConfig) -> list[LogitsProcessor]
     beam can go on). Beam sampling draws from their unnormalised output over every beam, which
     ``generate``'s classes define to the bit; the engine's sampler (``process_logits``) keeps
     one token at least and normalises, so it is not used here."""
-    keep = len(eos_ids_of(config)) + 1 if eos_ids_of(config) else 2
+    keep = max(2, len(eos_ids_of(config)) + 1)
     warpers: list[LogitsProcessor] = []
     if config.temperature is not None and config.temperature != 1.0:
         warpers.append(logits_process.TemperatureLogitsWarper(config.temperature))
@@ -354,8 +354,6 @@ def generate_until(
         while engine.has_unfinished():
             for delta in engine.step():
                 total = totals[delta.request_id]
-                if total.finished:
-                    continue
                 start = len(total.token_ids)
                 merge_delta(total, delta)
                 stop = first_stop(criteria, total, start)

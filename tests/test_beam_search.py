@@ -48,7 +48,7 @@ def test_an_end_of_sequence_token_completes_a_beam(make_llm):
     ended = [b for b in out.sequences if b.finished]
     assert ended and all(b.token_ids[-1] == ending for b in ended)
     assert all(len(b.token_ids) == 6 for b in out.sequences if not b.finished)
-    scores = [b.score(0.0) for b in out.sequences]
+    scores = [b.normalized for b in out.sequences]  # length_penalty 0: the logprob sums
     assert scores == sorted(scores, reverse=True)
 
 

@@ -83,7 +83,7 @@ def test_processors_and_early_endings_equal_transformers(processors, early_stopp
     assert min(lengths) < 12 or processors  # the plain case does end before max_new_tokens
 
 
-def test_width_one_hypothesis_and_default_output():
+def test_without_return_dict_the_output_is_the_sequences():
     model, tokenizer = model_and_tokenizer()
     fast = specdec.wrap(model, tokenizer)
     ids = torch.tensor([tokenizer.encode("hello world")])
