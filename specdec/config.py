@@ -56,6 +56,11 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     num_speculative_tokens: int | None = None  # cap on drafts per step; 0 turns speculation off
     return_logits: bool = False  # hand back each generated token's raw logits (RequestOutput)
+    # hand back the hidden states of every token fed (the prompt's, then each output token's but
+    # the last), after the embedding and after each decoder layer, the last after the final norm
+    # (transformers' output_hidden_states); see RequestOutput.hidden_states. A request that asks
+    # is not served from the prefix cache, whose positions compute nothing
+    return_hidden_states: bool = False
     # hand back each generated token's log-probability and the logprobs most likely tokens'
     # (0: the chosen token's alone; None: none), from the model's raw distribution, before
     # temperature or top-k/p (vLLM's default); see RequestOutput.logprobs
@@ -167,6 +172,7 @@ class SamplingParams:
         for name in (
             "ignore_eos",
             "return_logits",
+            "return_hidden_states",
             "skip_special_tokens",
             "include_stop_str_in_output",
         ):

@@ -178,6 +178,9 @@ class Engine:
             padded = len(out.seqs) * max(out.num_scheduled_tokens)  # attention pads to this
             self.policy.observe_step(padded, time.perf_counter() - start)
         updated = self.scheduler.update(out, verification.emitted)
+        for i, (first, states) in res.layer_states.items():  # rejected drafts' go in _delta
+            out.seqs[i].hidden_states.append(states)
+            out.seqs[i].num_hidden_positions = first + states.shape[1]
         logits = {seq.seq_id: rows for seq, rows in zip(out.seqs, verification.logits)}
         logprobs = {seq.seq_id: lps for seq, lps in zip(out.seqs, verification.logprobs)}
         deltas = [
@@ -226,6 +229,7 @@ class Engine:
         if seq.params.prompt_logprobs is not None and seq.num_returned_tokens == 0:
             prompt_logprobs = [None, *seq.prompt_logprobs]  # the first delta carries them
         new_tokens = seq.output_token_ids[seq.num_returned_tokens :]
+        hidden = _take_hidden_states(seq) if seq.params.return_hidden_states else None
         seq.num_returned_tokens = seq.num_output_tokens
         if seq.is_finished:
             self.requests.pop(seq.seq_id, None)
@@ -240,7 +244,22 @@ class Engine:
             None if logits is None else logits[: len(new_tokens)],
             None if logprobs is None else logprobs[: len(new_tokens)],
             prompt_logprobs,
+            hidden_states=hidden,
         )
+
+
+def _take_hidden_states(seq: Sequence) -> torch.Tensor | None:
+    """The hidden states ``seq`` kept since its last delta, less those of positions past its
+    last token but one: rejected drafts', and a stop string's cut (the last token is not fed)."""
+    if not seq.hidden_states:
+        return None
+    states = torch.cat(seq.hidden_states, dim=1)
+    seq.hidden_states = []
+    excess = seq.num_hidden_positions - (seq.num_tokens - 1)
+    if excess > 0:
+        states = states[:, : states.shape[1] - excess]
+        seq.num_hidden_positions -= excess
+    return states
 
 
 def cuda_kv_blocks(device: torch.device, config: EngineConfig, block_bytes: int) -> int:

@@ -1,7 +1,7 @@
 """transformers' ``generate`` semantics, for :mod:`specdec.wrap`: how a call's generation
-config is resolved and checked, how its inputs become prompts and sampling parameters, how its
-stopping criteria end rows, and how the engine's outputs become transformers' tensors
-(``sequences``, per-step ``scores`` and ``logits``, beam search's outputs).
+config is resolved and checked, how its inputs become prompts and sampling parameters, how
+each row's logits are processed, and how its stopping criteria end rows (the outputs' tensors:
+:mod:`specdec.generate_outputs`).
 
 Terms follow transformers: *processors* change logits (``min_new_tokens`` masks the EOS ids),
 *warpers* shape the sampling distribution (temperature, top-k, top-p, min-p).
@@ -18,12 +18,11 @@ import transformers
 from transformers.generation import logits_process
 from transformers.generation.logits_process import LogitsProcessor
 
-from specdec.beam_search import Beam, check_early_stopping
+from specdec.beam_search import check_early_stopping
 from specdec.config import SamplingParams
 from specdec.llm import LLM, merge_delta
 from specdec.loader import eos_ids_of
 from specdec.outputs import RequestOutput
-from specdec.sampling import process_logits_for
 from specdec.token_rules import (
     apply_logits_processors,
     apply_penalties,
@@ -46,7 +45,6 @@ UNSUPPORTED = {
     "dola_layers": (None,),
     "constraints": (None,),
     "output_attentions": (None, False),
-    "output_hidden_states": (None, False),
 }
 
 
@@ -95,19 +93,8 @@ def prompt_rows(
     attention_mask: torch.Tensor | None,  # [B, L] 1 for a token, 0 for padding
     config: transformers.GenerationConfig,
 ) -> list[list[int]]:
-    """Each row's prompt: its tokens where the mask is 1. Without a mask, as transformers
-    infers one: padding is ``pad_token_id`` where it occurs and differs from every EOS id."""
-    if attention_mask is None:
-        pad, eos = config.pad_token_id, eos_ids_of(config)
-        if pad is not None and pad not in eos and bool((input_ids == pad).any()):
-            attention_mask = input_ids != pad
-        else:
-            attention_mask = torch.ones_like(input_ids)
-    if attention_mask.shape != input_ids.shape:
-        raise ValueError(
-            f"attention_mask has shape {tuple(attention_mask.shape)}, "
-            f"input_ids {tuple(input_ids.shape)}"
-        )
+    """Each row's prompt: its tokens where the mask (:func:`prompt_mask`) is 1."""
+    attention_mask = prompt_mask(input_ids, attention_mask, config)
     rows = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids.cpu(), attention_mask.cpu())]
     if any(not row for row in rows):
         raise ValueError("a row of input_ids has no token under its attention_mask")
@@ -119,6 +106,26 @@ def prompt_rows(
             "give rows of one length, or one row per call"
         )
     return rows
+
+
+def prompt_mask(
+    input_ids: torch.Tensor,  # [B, L]
+    attention_mask: torch.Tensor | None,  # [B, L] 1 for a token, 0 for padding
+    config: transformers.GenerationConfig,
+) -> torch.Tensor:  # [B, L]
+    """The call's attention mask, checked; without one, as transformers infers it: padding is
+    ``pad_token_id`` where it occurs and differs from every EOS id."""
+    if attention_mask is None:
+        pad, eos = config.pad_token_id, eos_ids_of(config)
+        if pad is not None and pad not in eos and bool((input_ids == pad).any()):
+            return input_ids != pad
+        return torch.ones_like(input_ids)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)}, "
+            f"input_ids {tuple(input_ids.shape)}"
+        )
+    return attention_mask
 
 
 def sampling_params(
@@ -172,6 +179,7 @@ def sampling_params(
             forced_eos_token_id=list(forced_eos) if isinstance(forced_eos, list) else forced_eos,
             exponential_decay_length_penalty=tuple(decay) if decay is not None else None,
             return_logits=bool(config.output_scores or config.output_logits),
+            return_hidden_states=bool(config.output_hidden_states),
             logits_processors=custom,
             stop_strings=config.stop_strings or None,  # in the text of every token, as
             skip_special_tokens=False,  # transformers' StopStringCriteria reads it
@@ -191,84 +199,6 @@ def as_row_processor(
         return processor(torch.tensor([prompt + output]), row[None])[0]
 
     return on_row
-
-
-def pad_id(config: transformers.GenerationConfig) -> int:
-    """``pad_token_id``, else the first EOS id (as transformers falls back), else 0."""
-    if config.pad_token_id is not None:
-        return int(config.pad_token_id)
-    eos = eos_ids_of(config)
-    return eos[0] if eos else 0
-
-
-def assemble(
-    input_ids: torch.Tensor,  # [B, L]
-    new_tokens: list[list[int]],  # [B] each row's generated tokens
-    config: transformers.GenerationConfig,
-) -> torch.Tensor:  # [B, L + longest]
-    """transformers' output: each input row as given, then its new tokens, padded on the
-    right with ``pad_token_id`` to the longest row's."""
-    width = max(len(tokens) for tokens in new_tokens)
-    new = torch.full((len(new_tokens), width), pad_id(config), dtype=input_ids.dtype)
-    for row, tokens in enumerate(new_tokens):
-        new[row, : len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
-    return torch.cat([input_ids, new.to(input_ids.device)], dim=1)
-
-
-def beam_sequences(
-    input_ids: torch.Tensor,  # [B, L]
-    completed: list[list[Beam]],  # [B] each prompt's completed hypotheses, best first
-    config: transformers.GenerationConfig,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """transformers' beam-search output: each prompt's ``num_return_sequences`` best
-    hypotheses as ``[B * n, L + longest]`` sequences (padded on the right as transformers pads
-    them: ``pad_token_id`` unless it is 0 or unset, then the first EOS id, and -1 without EOS
-    ids), their ``sequences_scores`` and their ``beam_indices`` (-1 past each one's end)."""
-    copies = config.num_return_sequences or 1
-    empty = Beam(normalized=-1e9)  # a slot nothing completed (transformers' initial score)
-    chosen = [b for beams in completed for b in (beams + [empty] * copies)[:copies]]
-    width = max(len(b.token_ids) for b in chosen)
-    eos = eos_ids_of(config)
-    fill = (config.pad_token_id or eos[0]) if eos else -1
-    new = torch.full((len(chosen), width), fill, dtype=torch.int64)
-    indices = torch.full((len(chosen), width), -1, dtype=torch.int32)
-    for row, beam in enumerate(chosen):
-        new[row, : len(beam.token_ids)] = torch.tensor(beam.token_ids, dtype=torch.int64)
-        indices[row, : len(beam.slots)] = torch.tensor(beam.slots, dtype=torch.int32)
-    sequences = torch.cat([input_ids.cpu().repeat_interleave(copies, dim=0), new], dim=1)
-    scores = torch.tensor([b.normalized for b in chosen], dtype=torch.float32)
-    return sequences.to(input_ids.device), scores, indices
-
-
-def scores(
-    logits: list[torch.Tensor | None],  # [B] each [n_b, V] raw logits of row b's tokens
-    params: list[SamplingParams],  # [B]
-    prompts: list[list[int]],  # [B] each row's prompt
-    outputs: list[list[int]],  # [B] each row's generated tokens
-    renormalize: bool = False,  # transformers' renormalize_logits
-) -> list[torch.Tensor | None]:  # [B] each [n_b, V]
-    """transformers' ``scores``, up to a constant per row: the logits after the processors
-    (``sequence_bias`` added, ``repetition_penalty`` over the prompt and the tokens before each
-    step, ``min_new_tokens`` masks the EOS ids, ``suppress_tokens``, ``begin_suppress_tokens``,
-    ``bad_words_ids`` and ``no_repeat_ngram_size`` mask what they forbid, the forcing rules and
-    ``exponential_decay_length_penalty``) and, when sampling,
-    log-probabilities after the warpers (temperature, top-k, top-p, min-p, typical, epsilon and
-    eta); ``compute_transition_scores`` gives the same log-probabilities either way. With
-    ``renormalize``, greedy rows too are log-probabilities (transformers' ``LogitNormalization``)."""
-    scores: list[torch.Tensor | None] = []
-    for rows, sp, prompt, output in zip(logits, params, prompts, outputs):
-        if rows is None:
-            scores.append(None)
-            continue
-        rows = torch.stack(
-            [processed_row(row, sp, prompt, output[:t]) for t, row in enumerate(rows)]
-        )
-        if not sp.is_greedy:  # log-probabilities: normalised already
-            rows = process_logits_for(rows, [sp] * len(rows)).log()
-        elif renormalize:
-            rows = torch.log_softmax(rows, dim=-1)
-        scores.append(rows)
-    return scores
 
 
 def processed_row(
@@ -324,18 +254,6 @@ def beam_warpers(config: transformers.GenerationConfig) -> list[LogitsProcessor]
     if config.eta_cutoff is not None and 0.0 < config.eta_cutoff < 1.0:
         warpers.append(logits_process.EtaLogitsWarper(config.eta_cutoff, min_tokens_to_keep=keep))
     return warpers
-
-
-def per_step(rows: list[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
-    """``[B]`` tensors of ``[n_b, V]`` as transformers' tuple of one ``[B, V]`` per step;
-    a row that had already ended reads zeros there."""
-    present = [r for r in rows if r is not None]
-    steps, vocab = max(len(r) for r in present), present[0].shape[1]
-    out = torch.zeros(steps, len(rows), vocab)
-    for b, r in enumerate(rows):
-        if r is not None:
-            out[: len(r), b] = r
-    return tuple(out.unbind(0))
 
 
 def generate_until(

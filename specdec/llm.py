@@ -364,6 +364,11 @@ def merge_delta(total: RequestOutput, delta: RequestOutput) -> None:
     if delta.logits is not None:
         parts = [delta.logits] if total.logits is None else [total.logits, delta.logits]
         total.logits = torch.cat(parts)
+    if delta.hidden_states is not None:
+        states = delta.hidden_states
+        if total.hidden_states is not None:
+            states = torch.cat([total.hidden_states, states], dim=1)
+        total.hidden_states = states
     if delta.logprobs is not None:
         total.logprobs = total.logprobs if total.logprobs is not None else []
         total.logprobs.extend(delta.logprobs)

@@ -45,6 +45,11 @@ class RequestOutput:
     # one per prompt token, the first None (nothing precedes it), when
     # SamplingParams.prompt_logprobs is set; in a stream, only the first delta carries them
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # [layers + 1, positions, hidden] with SamplingParams.return_hidden_states, else None: the
+    # states of every token fed, the prompt's then the output's but the last (a streamed delta:
+    # those since the previous one), at index 0 the embeddings, at i the output of decoder layer
+    # i - 1, at the last the final norm's output (what the logits come from)
+    hidden_states: torch.Tensor | None = None
     prompt: str | None = None  # the prompt's text where it was given as text (LLM.generate)
     # LLM.generate with SamplingParams.n > 1: completions 2..n of the prompt (this is the first)
     more_completions: list[RequestOutput] = field(default_factory=list)

@@ -46,6 +46,9 @@ class StepResult:
     # index into SchedulerOutput.seqs -> the logprobs of the prompt tokens this step's chunk
     # decided (SamplingParams.prompt_logprobs), continuing the sequence's prompt_logprobs
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    # index into SchedulerOutput.seqs -> (first position, [layers + 1, n, hidden]) the states of
+    # the query positions not kept before, for sequences that ask (return_hidden_states)
+    layer_states: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -76,6 +79,21 @@ def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype)
     cfg = model.config
     elem = torch.empty(0, dtype=dtype).element_size()
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+def _layer_rows(out: SchedulerOutput) -> dict[int, tuple[int, int, int]]:
+    """Index into ``out.seqs`` -> (first flat row, rows, first position) of the query positions
+    whose hidden states the sequence wants kept: those not kept before (a preempted sequence
+    computes its positions again), for sequences with ``return_hidden_states``."""
+    wanted: dict[int, tuple[int, int, int]] = {}
+    row = 0
+    for i, (seq, n) in enumerate(zip(out.seqs, out.num_scheduled_tokens)):
+        start = seq.num_computed_tokens
+        first = max(start, seq.num_hidden_positions)
+        if seq.params.return_hidden_states and first < start + n:
+            wanted[i] = (row + first - start, start + n - first, first)
+        row += n
+    return wanted
 
 
 def _allocate_caches(
@@ -220,7 +238,10 @@ class ModelRunner:
             if rows:
                 sample_indices.append(i)
                 num_logit_rows.append(rows)
-        logits, hidden, token_hidden = self.forward(chunks)
+        asked = any(seq.params.return_hidden_states for seq in out.seqs)
+        wanted = _layer_rows(out) if asked else {}
+        layer_rows = [r for row, n, _ in wanted.values() for r in range(row, row + n)]
+        logits, hidden, token_hidden, layers = self.forward(chunks, layer_rows or None)
         kept = token_hidden if keep_token_hidden_states else None
         starts = [c.start for c in chunks]
         prompt = (  # most steps: no sequence asked (the check costs a tenth of the call)
@@ -228,7 +249,12 @@ class ModelRunner:
             if any(seq.params.prompt_logprobs is not None for seq in out.seqs)
             else {}
         )
-        return StepResult(logits, hidden, sample_indices, num_logit_rows, starts, kept, prompt)
+        res = StepResult(logits, hidden, sample_indices, num_logit_rows, starts, kept, prompt)
+        offset = 0
+        for i, (_, n, first) in wanted.items():
+            res.layer_states[i] = (first, layers[:, offset : offset + n])  # type: ignore[index]
+            offset += n
+        return res
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -263,21 +289,24 @@ class ModelRunner:
         return result
 
     @torch.inference_mode()
-    def forward(self, chunks: list[QueryChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        self, chunks: list[QueryChunk], layer_rows: list[int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Run ``chunks`` as one flat batch; return logits [M, V] float32, the hidden states
-        at those rows [M, H] and at every token fed [N, H].
+        at those rows [M, H] and at every token fed [N, H], and, for the flat ``layer_rows``,
+        every layer's states [layers + 1, R, H] (see ``forward_with_layers``; else None).
 
         ``M`` is the sum of the chunks' ``num_logit_rows``: each chunk's last rows, in order.
         Decodes and verifications replay a CUDA graph where the runner has them.
         """
-        if self.graphs is not None and self.graphs.takes(chunks):
+        if self.graphs is not None and layer_rows is None and self.graphs.takes(chunks):
             try:
                 hidden = self.graphs.run(chunks, self.staging)  # every token is a logit row
             except CaptureError as error:
                 logger.warning("%s; running without CUDA graphs from now on", error)
                 self.graphs = None
             else:
-                return self.model.compute_logits(hidden).float(), hidden, hidden
+                return self.model.compute_logits(hidden).float(), hidden, hidden, None
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -304,9 +333,14 @@ class ModelRunner:
                 [step, rows_index, *meta.tensors()]
             )
             meta.replace_tensors(meta_tensors)
-        hidden = self.model(step[0], step[1], meta)
+        layers = None
+        if layer_rows is None:
+            hidden = self.model(step[0], step[1], meta)
+        else:
+            kept = torch.tensor(layer_rows, dtype=torch.long, device=self.device)
+            hidden, layers = self.model.forward_with_layers(step[0], step[1], meta, kept)
         rows = hidden[rows_index]
-        return self.model.compute_logits(rows).float(), rows, hidden
+        return self.model.compute_logits(rows).float(), rows, hidden, layers
 
     @torch.inference_mode()
     def dummy_forward(self, num_tokens: int) -> None:

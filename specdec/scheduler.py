@@ -97,7 +97,7 @@ class Scheduler:
         bs = self.block_manager.block_size
         if not self.block_manager.enable_prefix_caching or seq.block_table:
             return False
-        if seq.num_prompt_tokens <= bs or seq.needs_prompt_logprobs:
+        if seq.num_prompt_tokens <= bs or seq.needs_every_position:
             return False
         head = seq.token_ids[:bs]
         for other in self.running:
@@ -143,7 +143,7 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Tokens a waiting sequence can run now (0: not yet), after prefix-cache hits."""
         bm = self.block_manager
-        if not seq.block_table and not seq.needs_prompt_logprobs:
+        if not seq.block_table and not seq.needs_every_position:
             bm.match_prefix(seq)
         num_tokens = min(seq.num_uncomputed_tokens, budget)
         if not bm.can_allocate(seq, seq.num_computed_tokens + num_tokens):

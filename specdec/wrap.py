@@ -30,7 +30,7 @@ set), ``top_p``, ``min_p``, ``max_new_tokens`` / ``max_length``, ``min_new_token
 ``num_return_sequences``. Every row's noise seed is drawn from torch's global generator, so
 ``torch.manual_seed(s)`` before a call makes it reproducible, whatever the drafter or batch.
 ``return_dict_in_generate`` with ``output_logits`` / ``output_scores`` hands back the rows each
-token was decided from. ``logits_processor`` (transformers' processors, called on each row) and
+token was decided from, with ``output_hidden_states`` every layer's states of each fed token. ``logits_processor`` (transformers' processors, called on each row) and
 ``stopping_criteria`` / ``max_time`` (a row ends after the token past which one holds) work as
 in ``generate``. ``num_beams > 1`` runs transformers' beam search (and beam sampling) on
 the engine (:mod:`specdec.beam_search`). Options whose effect the engine does not implement
@@ -48,6 +48,7 @@ from torch import nn
 from transformers.generation.stopping_criteria import MaxTimeCriteria, StopStringCriteria
 from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 
+from specdec import generate_outputs as tensors
 from specdec import generate_semantics as hf
 from specdec.beam_search import Search
 from specdec.beam_search import run as run_search
@@ -173,19 +174,28 @@ class WrappedModel:
         else:
             outputs = llm.generate(prompts, params)
         new_tokens = [out.token_ids for out in outputs]
-        sequences = hf.assemble(input_ids.repeat_interleave(copies, dim=0), new_tokens, config)
+        sequences = tensors.assemble(input_ids.repeat_interleave(copies, dim=0), new_tokens, config)
         if not config.return_dict_in_generate:
             return sequences
         logits = [out.logits for out in outputs]
+        hidden = None
+        if config.output_hidden_states:
+            mask = hf.prompt_mask(input_ids, attention_mask, config)
+            hidden = tensors.hidden_steps(
+                [out.hidden_states for out in outputs],
+                mask.repeat_interleave(copies, dim=0),
+                [len(tokens) for tokens in new_tokens],
+            )
         scores = (
-            hf.scores(logits, params, prompts, new_tokens, bool(config.renormalize_logits))
+            tensors.scores(logits, params, prompts, new_tokens, bool(config.renormalize_logits))
             if config.output_scores
             else None
         )
         return GenerateDecoderOnlyOutput(
             sequences=sequences,  # type: ignore[arg-type]
-            scores=hf.per_step(scores) if scores else None,  # type: ignore[arg-type]
-            logits=hf.per_step(logits) if config.output_logits else None,  # type: ignore[arg-type]
+            scores=tensors.per_step(scores) if scores else None,  # type: ignore[arg-type]
+            logits=tensors.per_step(logits) if config.output_logits else None,  # type: ignore[arg-type]
+            hidden_states=hidden,  # type: ignore[arg-type]
         )
 
     def _beam_generate(
@@ -200,6 +210,11 @@ class WrappedModel:
         :mod:`specdec.beam_search`. The logits processors that ``generate`` applies (penalties,
         bans, forcing) change each step's log-probabilities, as in transformers."""
         hf.check_beam_config(config)
+        if config.output_hidden_states:
+            raise ValueError(
+                "output_hidden_states with num_beams > 1 is not supported by specdec.wrap; "
+                "it is with num_beams=1"
+            )
         prompts = hf.prompt_rows(input_ids, attention_mask, config)
         rules = hf.sampling_params(config, input_ids.shape[1], [0], processors)[0]
 
@@ -229,7 +244,7 @@ class WrappedModel:
             record=record,
         )
         result = run_search(self._engine(None, None, None, config), prompts, search)
-        sequences, scores, indices = hf.beam_sequences(input_ids, result.completed, config)
+        sequences, scores, indices = tensors.beam_sequences(input_ids, result.completed, config)
         if not config.return_dict_in_generate:
             return sequences
         return GenerateBeamDecoderOnlyOutput(

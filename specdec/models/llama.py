@@ -231,6 +231,28 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer.forward(x, residual, rope, meta)
         return self.norm.forward(x, residual)
 
+    def forward_with_layers(
+        self,
+        input_ids: torch.Tensor,  # [N]
+        positions: torch.Tensor,  # [N]
+        meta: AttentionMetadata,
+        rows: torch.Tensor,  # [R] the tokens whose states are kept
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` on the Python layers (the bits the fused stack gives), also keeping
+        ``rows``' hidden states: [layers + 1, R, hidden], the embeddings, each layer's output but
+        the last, then the final norm's (transformers' ``output_hidden_states``)."""
+        x = self.embed_tokens(input_ids)
+        rope = self.rope(positions, x.dtype)
+        kept = [x[rows]]
+        residual = None
+        for i, layer in enumerate(self.layers):
+            x, residual = layer.forward(x, residual, rope, meta)
+            if i + 1 < len(self.layers):
+                kept.append(x[rows] + residual[rows])  # the residual add is still to come
+        hidden = self.norm.forward(x, residual)
+        kept.append(hidden[rows])
+        return hidden, torch.stack(kept)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, hidden] -> [M, V]
         return self.lm_head(hidden)
 

@@ -32,9 +32,12 @@ def build(arch: str, dtype: torch.dtype, quantization: str | None, **options) ->
     return LlamaForCausalLM.from_hf(hf.config, state, 256, quantization=quantization, **options)
 
 
-def steps(runner: ModelRunner) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def steps(
+    runner: ModelRunner, keep_layers: bool = False
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Prompts for three sequences, then steps of decodes and of verifications mixed (padded
-    to the widest query) and alike (dense); each step's logits and final hidden states."""
+    to the widest query) and alike (dense); each step's logits and final hidden states. With
+    ``keep_layers``, every step also keeps its first token's states after every layer."""
     torch.manual_seed(0)
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (13, 30, 7)]
     tables = [list(range(i * 20, i * 20 + 20)) for i in range(3)]
@@ -46,7 +49,8 @@ def steps(runner: ModelRunner) -> list[tuple[torch.Tensor, torch.Tensor]]:
         for i, q in enumerate(queries):
             tokens = torch.randint(0, 256, (q,)).tolist()
             chunks.append(QueryChunk(tokens, lengths[i], tables[i], q))
-        logits, hidden, _ = runner.forward(chunks)
+        logits, hidden, _, layers = runner.forward(chunks, [0] if keep_layers else None)
+        assert (layers is not None) == keep_layers
         out.append((logits, hidden))
         lengths = [n + 1 for n in lengths]  # the first query of each is kept
     return out
@@ -55,7 +59,8 @@ def steps(runner: ModelRunner) -> list[tuple[torch.Tensor, torch.Tensor]]:
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_stack_gives_the_python_layers_bits(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Decodes, verifications of one depth (a dense group) and of mixed depths (padded), a lone
-    sequence: the stack's logits and hidden states equal the Python layers' bit for bit."""
+    sequence: the stack's logits and hidden states equal the Python layers' bit for bit, also
+    where a step keeps every layer's states (a request's ``return_hidden_states``)."""
     arch, dtype, quantization = CONFIGS[name]
     model = build(arch, dtype, quantization)
     stack = model.fused
@@ -65,10 +70,13 @@ def test_stack_gives_the_python_layers_bits(name: str, monkeypatch: pytest.Monke
     monkeypatch.setattr(stack, "forward", lambda *a: calls.append(1) or run(*a))
     fast = steps(ModelRunner(model, 64, BLOCK, dtype))
     assert len(calls) == 4  # every step but the one with an 18-token query (a group of its own)
+    kept = steps(ModelRunner(model, 64, BLOCK, dtype), keep_layers=True)
+    assert len(calls) == 4  # those steps ran the Python layers
     model.fused = None
     slow = steps(ModelRunner(model, 64, BLOCK, dtype))
-    for (fast_logits, fast_hidden), (logits, hidden) in zip(fast, slow):
-        assert torch.equal(fast_logits, logits) and torch.equal(fast_hidden, hidden)
+    for other in (slow, kept):
+        for (fast_logits, fast_hidden), (logits, hidden) in zip(fast, other):
+            assert torch.equal(fast_logits, logits) and torch.equal(fast_hidden, hidden)
 
 
 def test_stack_follows_the_caches_it_is_given() -> None:
