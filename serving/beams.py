@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 BEAM_FIELDS = {
     "model", "prompt", "messages", "n", "max_tokens", "max_completion_tokens", "use_beam_search",
     "length_penalty", "early_stopping", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-    "truncate_prompt_tokens", "seed", "user", "stream", "temperature",
+    "truncate_prompt_tokens", "seed", "user", "stream", "temperature", "priority",
     "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
 }  # fmt: skip
 
@@ -68,6 +68,7 @@ class BeamGeneration(Generation):
     ):
         super().__init__(state, [], sum(len(p) for p in prompts), prompt_param)
         self.width = body.n or 1
+        self.priority = body.priority
         eos = () if body.ignore_eos else state.llm.engine.eos_token_ids
         self.searches = [
             Search(
@@ -88,7 +89,7 @@ class BeamGeneration(Generation):
 
     async def start(self) -> bool:
         """Admit the request: room for ``n`` sequences, one per beam."""
-        await self.state.gate.acquire(self.width)
+        await self.state.gate.acquire(self.width, self.priority)
         self._admitted = True
         self.state.metrics.prompt_tokens.inc(self.num_prompt_tokens)
         return True
@@ -116,7 +117,7 @@ class BeamGeneration(Generation):
         """The next-token logits of each token list, ``[n, V]``, from the engine thread."""
         outputs: asyncio.Queue[Any] = asyncio.Queue()
         try:
-            batch = [GenerationRequest(r, step_params(), 0) for r in requests]
+            batch = [GenerationRequest(r, step_params(), 0, self.priority) for r in requests]
             self._in_flight = await self.state.engine.add(batch, outputs)
         except ValueError as e:  # the engine's checks on a prompt
             raise APIError(400, str(e), param=self.prompt_param) from e

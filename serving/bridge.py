@@ -48,6 +48,7 @@ class GenerationRequest:
     prompt_token_ids: list[int]  # the prompt, tokenized
     params: SamplingParams  # how to sample the continuation
     num_speculative_tokens: int | None = None  # drafts per step (0: off); None: the engine's own
+    priority: int = 0  # under the priority scheduling policy, lower first
 
 
 @dataclass(slots=True)
@@ -162,7 +163,9 @@ class AsyncEngine:
                 params = request.params
                 if request.num_speculative_tokens is not None:  # this request's own cap
                     params = replace(params, num_speculative_tokens=request.num_speculative_tokens)
-                ids.append(self.engine.add_request(request.prompt_token_ids, params))
+                ids.append(
+                    self.engine.add_request(request.prompt_token_ids, params, request.priority)
+                )
         except Exception as e:  # noqa: BLE001 - a refused request must not stop the engine
             for request_id in ids:
                 self.engine.abort(request_id)

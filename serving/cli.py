@@ -13,6 +13,7 @@ import click
 import uvicorn
 
 from specdec.cli_options import model_options, spec_config, speculation_options
+from specdec.engine_config import SCHEDULING_POLICIES
 from specdec.serving.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,14 @@ def _is_loopback(host: str) -> bool:
 @click.option("--max-num-seqs", default=64, show_default=True, type=int, help="Batch size cap.")
 @click.option("--kv-cache-memory-gb", default=1.0, show_default=True, type=float)
 @click.option(
+    "--scheduling-policy",
+    type=click.Choice(SCHEDULING_POLICIES),
+    default="fcfs",
+    show_default=True,
+    help="priority: requests' `priority` field orders the waiting line (lower first) and picks "
+    "whom to preempt (vLLM's); fcfs: arrival order, and any priority but 0 is refused.",
+)
+@click.option(
     "--gpu-memory-utilization",
     default=0.9,
     show_default=True,
@@ -133,6 +142,7 @@ def serve(
     max_model_len: int | None,
     max_num_seqs: int,
     kv_cache_memory_gb: float,
+    scheduling_policy: str,
     gpu_memory_utilization: float,
     seed: int | None,
     log_level: str,
@@ -164,6 +174,7 @@ def serve(
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
             kv_cache_memory_gb=kv_cache_memory_gb,
+            scheduling_policy=scheduling_policy,
             gpu_memory_utilization=gpu_memory_utilization,
             seed=seed,
             speculative=spec_config(

@@ -80,7 +80,8 @@ class Generation:
 
     async def start(self) -> bool:
         """Admit and add the sequences; raise ``APIError`` if they are refused."""
-        await self.state.gate.acquire(len(self.requests))
+        priority = self.requests[0].priority if self.requests else 0
+        await self.state.gate.acquire(len(self.requests), priority)
         self._admitted = True
         sent = False
         try:

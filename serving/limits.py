@@ -6,13 +6,16 @@ Terms:
         :func:`max_prompt_chars` cannot fit the context and is refused before it is tokenized.
     running sequences: sequences admitted to the engine and not yet finished or aborted (a request
         with ``n`` choices over ``p`` prompts holds ``n * p``).
-    waiting requests: HTTP requests that wait, first come first served, for room to run. Beyond
+    waiting requests: HTTP requests that wait for room to run, in order of priority (lower
+        first; all 0 unless the server schedules by priority), then of arrival. Beyond
         ``max_waiting`` of them a request is refused at once with 503 and ``Retry-After``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
+import itertools
 import secrets
 from collections import deque
 from collections.abc import Callable
@@ -40,14 +43,17 @@ class AdmissionGate:
         self.max_waiting = max_waiting  # most requests waiting for room
         self.retry_after_s = retry_after_s  # the Retry-After sent with a refusal
         self.num_running = 0  # sequences admitted and not yet released
-        self._waiters: deque[tuple[int, asyncio.Future]] = deque()  # FIFO of (size, wake-up)
+        # (priority, arrival, size, wake-up), in that order: the first is admitted first
+        self._waiters: list[tuple[int, int, int, asyncio.Future]] = []
+        self._arrivals = itertools.count()
 
     @property
     def num_waiting(self) -> int:
         return len(self._waiters)
 
-    async def acquire(self, num_seqs: int) -> None:
-        """Wait for room for ``num_seqs`` sequences; raise a 400 or 503 ``APIError`` if none."""
+    async def acquire(self, num_seqs: int, priority: int = 0) -> None:
+        """Wait for room for ``num_seqs`` sequences, behind waiters of lower or equal
+        ``priority``; raise a 400 or 503 ``APIError`` if none."""
         if num_seqs > self.max_running:
             raise APIError(
                 400,
@@ -68,8 +74,9 @@ class AdmissionGate:
                 headers={"Retry-After": str(self.retry_after_s)},
             )
         admitted = asyncio.get_running_loop().create_future()
-        entry = (num_seqs, admitted)
-        self._waiters.append(entry)
+        entry = (priority, next(self._arrivals), num_seqs, admitted)
+        bisect.insort(self._waiters, entry, key=lambda e: e[:2])
+        self._admit_waiters()  # a more urgent request may fit where the first in line did not
         try:
             await admitted
         except asyncio.CancelledError:
@@ -77,13 +84,18 @@ class AdmissionGate:
                 self.release(num_seqs)  # admitted just as the caller gave up
             elif entry in self._waiters:
                 self._waiters.remove(entry)
+                self._admit_waiters()  # those behind it may fit where it did not
             raise
 
     def release(self, num_seqs: int) -> None:
-        """Give back the room of ``num_seqs`` sequences and admit waiters, first come first."""
+        """Give back the room of ``num_seqs`` sequences and admit waiters, in order."""
         self.num_running -= num_seqs
-        while self._waiters and self.num_running + self._waiters[0][0] <= self.max_running:
-            num, admitted = self._waiters.popleft()
+        self._admit_waiters()
+
+    def _admit_waiters(self) -> None:
+        """Admit waiters from the first while each fits."""
+        while self._waiters and self.num_running + self._waiters[0][2] <= self.max_running:
+            _, _, num, admitted = self._waiters.pop(0)
             if not admitted.cancelled():
                 self.num_running += num
                 admitted.set_result(None)

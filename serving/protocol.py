@@ -76,6 +76,8 @@ class GenerationFields(GuidedFields):
     bad_words: list[str] | None = None  # extra; words never generated (vLLM's rule)
     # extra; keep the prompt's last k tokens (-1: as many as leave room for one new token)
     truncate_prompt_tokens: int | None = Field(None, ge=-1, lt=2**31)
+    # extra (vLLM's); under --scheduling-policy priority, lower values are served first
+    priority: int = Field(0, ge=-(2**31), lt=2**31)
     guided_grammar: Any = None
     # extra (vLLM's): n beams searched, the n best returned (specdec/serving/beams.py), ranked
     # by logprob sum / length ** length_penalty; early_stopping: transformers' (False, True,

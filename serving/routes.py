@@ -284,6 +284,13 @@ def make_generation(
     (``max_tokens`` 0, allowed with echo, generates one token that the generation drops); with
     ``use_beam_search``, a beam search per prompt (specdec/serving/beams.py)."""
     max_model_len = state.llm.engine.max_model_len
+    if body.priority and not state.llm.engine.scheduler.by_priority:
+        raise APIError(
+            400,
+            f"priority {body.priority} needs priority scheduling: the server was started without "
+            "--scheduling-policy priority, so every request must have priority 0",
+            param="priority",
+        )
     if body.use_beam_search:
         limits = [max(1, fit_max_tokens(body, len(p), max_model_len)) for p in prompts]
         return BeamGeneration(state, body, prompts, limits, prompt_param)
@@ -295,7 +302,9 @@ def make_generation(
                 params = body.sampling_params(max(max_tokens, 1), choice)
             except ValueError as e:
                 raise APIError(400, str(e), param=body.param_of(str(e).split(" ")[0])) from e
-            requests.append(GenerationRequest(prompt, params, body.num_speculative_tokens))
+            requests.append(
+                GenerationRequest(prompt, params, body.num_speculative_tokens, body.priority)
+            )
     num_prompt_tokens = sum(len(p) for p in prompts)
     discard = body.requested_max_tokens == 0
     return Generation(

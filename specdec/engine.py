@@ -86,8 +86,13 @@ class Engine:
         if speculative is not None:
             self.drafter, self.policy = build_speculation(speculative, self, target)
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Queue a request; bad prompts raise ``ValueError`` before anything is allocated."""
+    def add_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> int:
+        """Queue a request; bad prompts raise ``ValueError`` before anything is allocated.
+        ``priority``: under the ``"priority"`` scheduling policy, lower runs first (any integer;
+        the ``"fcfs"`` policy takes 0 only, as vLLM's)."""
+        check_priority(priority, self.scheduler.by_priority)
         if params.truncate_prompt_tokens is not None:  # the last k tokens
             keep = self.prompt_limit(params.truncate_prompt_tokens)
             prompt_token_ids = list(prompt_token_ids)[-keep:]
@@ -123,6 +128,7 @@ class Engine:
             params,
             self.eos_token_ids,
             seeds=self._seeds,
+            priority=priority,
         )
         seq.guide = self.guides.for_params(params)
         seq.bad_word_ids = bad_word_token_ids(self.tokenizer, params.bad_words or [])
@@ -245,6 +251,17 @@ class Engine:
             None if logprobs is None else logprobs[: len(new_tokens)],
             prompt_logprobs,
             hidden_states=hidden,
+        )
+
+
+def check_priority(priority: Any, by_priority: bool) -> None:  # noqa: ANN401
+    """Refuse a priority that is not an integer, or not 0 without the priority policy."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValueError(f"priority must be an integer, got {priority!r}")
+    if priority != 0 and not by_priority:
+        raise ValueError(
+            f"got priority {priority}, but the engine schedules first come first served: build "
+            "it with scheduling_policy='priority' (specdec serve --scheduling-policy priority)"
         )
 
 

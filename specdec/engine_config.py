@@ -12,6 +12,8 @@ import torch
 
 from specdec.config import _check
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -36,6 +38,10 @@ class EngineConfig:
     # requests without SamplingParams.seed take noise seeds drawn from a generator seeded with
     # this, so a rerun repeats them (vLLM's LLM(seed=)); None: drawn from torch's global RNG
     seed: int | None = None
+    # "fcfs": requests run in arrival order, and the newest running one is preempted first;
+    # "priority": by each request's priority (lower first), then arrival, and the running one
+    # last in that order is preempted first (vLLM's scheduling_policy)
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         _check(self.block_size > 0, f"block_size must be positive, got {self.block_size}")
@@ -63,6 +69,11 @@ class EngineConfig:
         _check(
             self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
             f"seed must be an integer or None, got {self.seed!r}",
+        )
+        _check(
+            self.scheduling_policy in SCHEDULING_POLICIES,
+            f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got "
+            f"{self.scheduling_policy!r}",
         )
         resolve_device(self.device)  # a bad name fails here, where it was written
 

@@ -137,27 +137,33 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate a completion for each prompt (text, token ids, or vLLM's `{"prompt": ...}` /
         `{"prompt_token_ids": ...}` dictionaries; no chat template), with one
         ``SamplingParams`` for all or one per prompt; ``use_tqdm`` shows a progress bar of
         finished requests, as vLLM's does. With ``n > 1`` a prompt's output holds its first
-        completion and ``more_completions`` the rest (``outputs`` lists them all)."""
+        completion and ``more_completions`` the rest (``outputs`` lists them all).
+        ``priority``: one per prompt, lower first, under ``scheduling_policy="priority"``."""
         prompt_list: list[Prompt] = (
             [prompts] if _is_single(prompts) else list(prompts)  # type: ignore[list-item, arg-type]
         )
         param_list = self._params_for(sampling_params, len(prompt_list))
+        priorities = [0] * len(prompt_list) if priority is None else list(priority)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
         ids: list[list[int]] = []  # per prompt, its completions' request ids
         results: dict[int, RequestOutput] = {}
         progress = tqdm(total=sum(p.n for p in param_list), disable=not use_tqdm)
         try:  # on any error (a bad prompt, Ctrl-C), abort what was queued: nothing is left behind
-            for prompt, sp in zip(prompt_list, param_list, strict=True):
+            for prompt, sp, rank in zip(prompt_list, param_list, priorities, strict=True):
                 ids.append([])
                 if isinstance(prompt, dict):
                     prompt = _dict_prompt(prompt)
                 text, token_ids = prompt if isinstance(prompt, str) else None, self.encode(prompt)
                 for choice in range(sp.n):
-                    ids[-1].append(self.engine.add_request(token_ids, _completion(sp, choice)))
+                    completion = _completion(sp, choice)
+                    ids[-1].append(self.engine.add_request(token_ids, completion, rank))
                     results[ids[-1][-1]] = RequestOutput(ids[-1][-1], token_ids, prompt=text)
             while self.engine.has_unfinished():
                 for delta in self.engine.step():

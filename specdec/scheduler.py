@@ -9,10 +9,16 @@ allow, except that one whose prompt shares full blocks with a running sequence's
 prefilled waits for them, to take them from the prefix cache. When KV blocks run out, the newest
 running sequence is preempted: its blocks are freed and it is recomputed later from its tokens,
 which changes no output.
+
+Under the ``"priority"`` policy (vLLM's), the waiting line is kept in order of each request's
+priority (lower first), then of arrival, and the running sequence last in that order is the one
+preempted; a preempted sequence takes its place in the line again. Running sequences are served
+in the order they were admitted, under either policy.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 import time
 from collections import deque
@@ -53,9 +59,17 @@ class Scheduler:
         )
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.by_priority = config.scheduling_policy == "priority"
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if self.by_priority:
+            self._line_up(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _line_up(self, seq: Sequence) -> None:
+        """Put ``seq`` in the waiting line by (priority, arrival)."""
+        self.waiting.insert(bisect.bisect(self.waiting, _rank(seq), key=_rank), seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -121,7 +135,7 @@ class Scheduler:
                 num_tokens -= len(seq.spec_token_ids)
                 seq.spec_token_ids.clear()
                 continue
-            victim = self.running[-1]
+            victim = max(self.running, key=_rank) if self.by_priority else self.running[-1]
             self._preempt(victim, out)
             if victim is seq:
                 return 0
@@ -153,7 +167,8 @@ class Scheduler:
         return num_tokens
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """Free a running sequence's KV and requeue it first in line for recompute."""
+        """Free a running sequence's KV and requeue it for recompute: first in line, or in its
+        place by priority."""
         self.block_manager.free(seq)
         seq.spec_token_ids.clear()
         seq.status = SequenceStatus.WAITING
@@ -163,7 +178,10 @@ class Scheduler:
             i = out.seqs.index(seq)
             del out.seqs[i], out.num_scheduled_tokens[i]
         out.preempted.append(seq)
-        self.waiting.appendleft(seq)
+        if self.by_priority:
+            self._line_up(seq)
+        else:
+            self.waiting.appendleft(seq)
 
     def update(self, out: SchedulerOutput, emitted: list[list[int]]) -> list[Sequence]:
         """Record a step: advance counters, roll back rejected drafts, append emitted tokens.
@@ -220,3 +238,9 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+
+
+def _rank(seq: Sequence) -> tuple[int, int]:
+    """A sequence's place under the priority policy: its priority, then its arrival (ids are
+    given in arrival order)."""
+    return seq.priority, seq.seq_id

@@ -97,6 +97,7 @@ class Sequence:
     # with SamplingParams.allowed_token_ids: those ids as a tensor, made once (a row indexed by a
     # long Python list converts the list each time)
     allowed_ids: torch.Tensor | None = field(default=None, init=False)
+    priority: int = 0  # with the "priority" scheduling policy: lower runs first
     seed: int = field(init=False)  # noise seed: params.seed, else drawn at creation
     seeds: InitVar[torch.Generator | None] = None  # where an unseeded seed is drawn; None: global
 

@@ -61,6 +61,7 @@ def test_serve_binds_loopback_and_takes_the_api_key_from_the_environment(capture
             "max_num_seqs": 8,
             "max_model_len": None,
             "kv_cache_memory_gb": 1.0,
+            "scheduling_policy": "fcfs",
             "gpu_memory_utilization": 0.5,
             "seed": 11,
             "speculative": None,
@@ -76,6 +77,14 @@ def test_serve_passes_cuda_graphs_on(captured_run):
     result = CliRunner().invoke(cli.serve, ["--device", "cuda", "--cuda-graphs"])
     assert result.exit_code == 0, result.output
     assert captured_run["llm"][1]["cuda_graphs"] is True
+
+
+def test_serve_passes_the_scheduling_policy_on(captured_run):
+    result = CliRunner().invoke(cli.serve, ["--scheduling-policy", "priority"])
+    assert result.exit_code == 0, result.output
+    assert captured_run["llm"][1]["scheduling_policy"] == "priority"
+    bad = CliRunner().invoke(cli.serve, ["--scheduling-policy", "lifo"])
+    assert bad.exit_code == 2 and "'lifo' is not one of 'fcfs', 'priority'" in bad.output
 
 
 def test_serve_passes_the_draft_quantization_on(captured_run):
