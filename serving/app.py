@@ -50,6 +50,8 @@ class ServerConfig:
     # and tool_call_parser (see tool_parsers.py: "hermes") finds its calls in the reply
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # every request's logprobs name tokens "token_id:<id>" (vLLM's --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: bool = False
 
     def __post_init__(self) -> None:
         names = ("max_concurrent", "max_body_bytes", "retry_after_s", "max_stop_chars")

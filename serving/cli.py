@@ -87,6 +87,12 @@ def _is_loopback(host: str) -> bool:
     is_flag=True,
     help="Serve the OpenAPI schema at /openapi.json (behind --api-key, if set).",
 )
+@click.option(
+    "--return-tokens-as-token-ids",
+    is_flag=True,
+    help='Logprobs name each token "token_id:<id>" (a request\'s return_tokens_as_token_ids '
+    "overrides it), so clients read exact ids (vLLM's flag).",
+)
 @click.option("--served-model-name", default=None, help="Name clients send as `model`.")
 @click.option("--max-model-len", default=None, type=int, help="Longest prompt + output.")
 @click.option("--max-num-seqs", default=64, show_default=True, type=int, help="Batch size cap.")
@@ -138,6 +144,7 @@ def serve(
     enable_auto_tool_choice: bool,
     tool_call_parser: str | None,
     openapi: bool,
+    return_tokens_as_token_ids: bool,
     served_model_name: str | None,
     max_model_len: int | None,
     max_num_seqs: int,
@@ -163,6 +170,7 @@ def serve(
             metrics_require_key=metrics_require_key,
             enable_auto_tool_choice=enable_auto_tool_choice,
             tool_call_parser=tool_call_parser,
+            return_tokens_as_token_ids=return_tokens_as_token_ids,
         )
         llm = LLM(
             model,

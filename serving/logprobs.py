@@ -9,6 +9,7 @@ come first, the first of them with null logprobs (nothing precedes it), as in Op
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from specdec.outputs import TokenLogprobs
@@ -20,6 +21,11 @@ from specdec.serving.responses import (
     PromptLogprobs,
     TopLogprob,
 )
+
+
+def token_id_text(token_id: int) -> str:
+    """A token named by its id, as vLLM's ``return_tokens_as_token_ids`` names it."""
+    return f"token_id:{token_id}"
 
 
 class TokenTexts:
@@ -37,7 +43,10 @@ class TokenTexts:
 
 
 def completion_logprobs(
-    token_ids: list[int], logprobs: list[TokenLogprobs | None], texts: TokenTexts, offset: int = 0
+    token_ids: list[int],
+    logprobs: list[TokenLogprobs | None],
+    texts: Callable[[int], str],
+    offset: int = 0,
 ) -> CompletionLogprobs:
     """The tokens' logprobs as a legacy completion's, the first token's text starting at
     ``offset``; a token without logprobs (an echoed prompt's first) gets nulls."""
@@ -60,12 +69,12 @@ def completion_logprobs(
     )
 
 
-def text_length(token_ids: list[int], texts: TokenTexts) -> int:
+def text_length(token_ids: list[int], texts: Callable[[int], str]) -> int:
     """Characters the tokens' texts hold: where the next token's ``text_offset`` starts."""
     return sum(len(texts(t)) for t in token_ids)
 
 
-def chat_logprobs(logprobs: list[TokenLogprobs], texts: TokenTexts) -> ChatLogprobs:
+def chat_logprobs(logprobs: list[TokenLogprobs], texts: Callable[[int], str]) -> ChatLogprobs:
     def entry(token_id: int, value: float) -> TopLogprob:
         text = texts(token_id)
         return TopLogprob(token=text, logprob=value, bytes=list(text.encode("utf-8")))
@@ -78,7 +87,9 @@ def chat_logprobs(logprobs: list[TokenLogprobs], texts: TokenTexts) -> ChatLogpr
     return ChatLogprobs(content=content)
 
 
-def prompt_logprobs(logprobs: list[TokenLogprobs | None], texts: TokenTexts) -> PromptLogprobs:
+def prompt_logprobs(
+    logprobs: list[TokenLogprobs | None], texts: Callable[[int], str]
+) -> PromptLogprobs:
     """vLLM's ``prompt_logprobs``: per prompt token, its entry and the most likely tokens'."""
 
     def entries(lp: TokenLogprobs) -> dict[int, PromptLogprob]:

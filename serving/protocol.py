@@ -64,6 +64,9 @@ class GenerationFields(GuidedFields):
     num_speculative_tokens: int | None = Field(None, ge=0, le=64)  # extra; drafts per step, 0: off
     # extra (vLLM's); each prompt token's logprob and this many alternatives', not streamed
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # extra (vLLM's); logprobs name each token "token_id:<id>" instead of its text, so that a
+    # client reads the exact ids (tokens that decode alone to no whole character included)
+    return_tokens_as_token_ids: bool | None = None
 
     # subtract this from every generated token's logit (presence) or this times its count
     presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)

@@ -8,18 +8,18 @@ nothing); chat streams first open each choice with its role, as OpenAI does. A c
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from specdec.outputs import TokenLogprobs
 from specdec.serving.generation import Choice, Generation
 from specdec.serving.logprobs import (
-    TokenTexts,
     chat_logprobs,
     completion_logprobs,
     prompt_logprobs,
     text_length,
+    token_id_text,
 )
 from specdec.serving.responses import (
     AssistantMessage,
@@ -54,13 +54,18 @@ class ResponseMeta:
     prompt_logprobs: bool = False  # show the prompt tokens' logprobs (vLLM's prompt_logprobs)
     tool_choice: Any = None  # "required" or a named function: the replies are function calls
     auto_tools: list[str] | None = None  # "auto": the tools' names, for the parser of the calls
+    token_ids: bool = False  # logprobs name tokens "token_id:<id>" (return_tokens_as_token_ids)
 
     def __post_init__(self) -> None:
         self.id = self.id or new_id(self.prefix)
 
+    def token_texts(self, generation: Generation) -> Callable[[int], str]:
+        """How the logprobs name a token: its text, or its id."""
+        return token_id_text if self.token_ids else generation.state.token_texts
+
 
 def completion_response(generation: Generation, meta: ResponseMeta) -> CompletionResponse:
-    texts, echo = generation.state.token_texts, meta.echo
+    texts, echo = meta.token_texts(generation), meta.echo
     choices = []
     for i, c in enumerate(generation.choices):
         logprobs = None
@@ -98,7 +103,7 @@ async def completion_chunks(
             id=meta.id, created=meta.created, model=meta.model, choices=choices
         )
 
-    texts, echo = generation.state.token_texts, meta.echo
+    texts, echo = meta.token_texts(generation), meta.echo
     offsets = [0] * len(generation.choices)  # each choice's text_offset so far
     echoed = [echo is None] * len(generation.choices)  # the prompt sent (or not to be sent)
     async for i, delta in generation.deltas():
@@ -127,7 +132,7 @@ async def completion_chunks(
 
 
 def _prompt_logprobs(
-    choice: Choice, meta: ResponseMeta, texts: TokenTexts
+    choice: Choice, meta: ResponseMeta, texts: Callable[[int], str]
 ) -> PromptLogprobs | None:
     if not meta.prompt_logprobs or choice.prompt_logprobs is None:
         return None
@@ -142,7 +147,7 @@ def _echoed(choice: Choice, echo: bool) -> tuple[list[int], list[TokenLogprobs |
 
 
 def chat_response(generation: Generation, meta: ResponseMeta) -> ChatCompletionResponse:
-    texts = generation.state.token_texts
+    texts = meta.token_texts(generation)
     choices = []
     for i, c in enumerate(generation.choices):
         message: AssistantMessage | ToolCallsMessage
@@ -191,7 +196,7 @@ async def chat_chunks(
             )
             opening = ToolCallsDelta(role="assistant", tool_calls=[call])
         yield chunk([ChatChunkChoice(index=i, delta=opening)])
-    texts = generation.state.token_texts
+    texts = meta.token_texts(generation)
     held = [""] * len(generation.choices)  # "required": each reply's text, parsed at its end
     auto = [HermesStream(meta.auto_tools) for _ in held] if meta.auto_tools is not None else None
     async for i, delta in generation.deltas():
@@ -224,7 +229,7 @@ async def chat_chunks(
 
 
 def _auto_deltas(
-    stream: HermesStream, i: int, delta: Any, texts: TokenTexts
+    stream: HermesStream, i: int, delta: Any, texts: Callable[[int], str]
 ) -> list[ChatChunkChoice]:
     """Under "auto": the text the parser lets through now; at the end, what it held back, then
     the calls whole (finish_reason "tool_calls"), or the held text if it holds no call."""

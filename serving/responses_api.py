@@ -116,6 +116,7 @@ class ResponsesRequest(GenerationFields, ChatTemplateFields, ToolChoiceRules):
         **GenerationFields.NEUTRAL,
         "n": (None, 1),  # one reply per response
         "prompt_logprobs": (None,),
+        "return_tokens_as_token_ids": (None, False),
         "previous_response_id": (None,),  # would need stored responses
         "background": (None, False),
         "reasoning": (None,),

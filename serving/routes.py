@@ -147,7 +147,13 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             for p, ids in zip(body.prompt, prompts)
         ]
         echo = [text for text in texts for _ in range(body.n or 1)]
-    meta = ResponseMeta("cmpl", state.model_name, echo=echo, prompt_logprobs=show_prompt_logprobs)
+    meta = ResponseMeta(
+        "cmpl",
+        state.model_name,
+        echo=echo,
+        prompt_logprobs=show_prompt_logprobs,
+        token_ids=as_token_ids(state, body),
+    )
     full = partial(completion_response, generation, meta)
     chunks = partial(completion_chunks, generation, meta, body.include_usage)
     return await respond(request, generation, bool(body.stream), full, chunks)
@@ -174,6 +180,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         prompt_logprobs=show_prompt_logprobs,
         tool_choice=body.tool_choice if body.calls_tools else None,
         auto_tools=names,
+        token_ids=as_token_ids(state, body),
     )
     full = partial(chat_response, generation, meta)
     chunks = partial(chat_chunks, generation, meta, body.include_usage)
@@ -275,6 +282,13 @@ async def tokenize(
             code="context_length_exceeded",
         )
     return await asyncio.to_thread(state.llm.encode, prompt)
+
+
+def as_token_ids(state: ServerState, body: GenerationFields) -> bool:
+    """Whether the response's logprobs name tokens by id: the request says, else the server."""
+    if body.return_tokens_as_token_ids is not None:
+        return body.return_tokens_as_token_ids
+    return state.config.return_tokens_as_token_ids
 
 
 def make_generation(

@@ -61,6 +61,9 @@ class SamplingParams:
     # (transformers' output_hidden_states); see RequestOutput.hidden_states. A request that asks
     # is not served from the prefix cache, whose positions compute nothing
     return_hidden_states: bool = False
+    # hand back, for the same positions, each layer's attention probabilities over the
+    # positions before and at it (transformers' output_attentions); see RequestOutput.attentions
+    return_attentions: bool = False
     # hand back each generated token's log-probability and the logprobs most likely tokens'
     # (0: the chosen token's alone; None: none), from the model's raw distribution, before
     # temperature or top-k/p (vLLM's default); see RequestOutput.logprobs
@@ -173,6 +176,7 @@ class SamplingParams:
             "ignore_eos",
             "return_logits",
             "return_hidden_states",
+            "return_attentions",
             "skip_special_tokens",
             "include_stop_str_in_output",
         ):
@@ -344,6 +348,11 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def keeps_layers(self) -> bool:
+        """Whether the request keeps per-layer outputs (hidden states or attentions)."""
+        return self.return_hidden_states or self.return_attentions
 
     @property
     def has_generate_rules(self) -> bool:

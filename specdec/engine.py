@@ -24,7 +24,7 @@ from specdec.engine_config import EngineConfig
 from specdec.loader import LoadedCheckpoint, end_of_sequence_ids
 from specdec.models.llama import LlamaForCausalLM
 from specdec.outputs import RequestOutput, TokenLogprobs
-from specdec.runner import ModelRunner, kv_block_bytes
+from specdec.runner import KeptLayers, ModelRunner, kv_block_bytes
 from specdec.scheduler import Scheduler
 from specdec.sequence import Sequence
 from specdec.structured.guide import GuideFactory
@@ -184,9 +184,8 @@ class Engine:
             padded = len(out.seqs) * max(out.num_scheduled_tokens)  # attention pads to this
             self.policy.observe_step(padded, time.perf_counter() - start)
         updated = self.scheduler.update(out, verification.emitted)
-        for i, (first, states) in res.layer_states.items():  # rejected drafts' go in _delta
-            out.seqs[i].hidden_states.append(states)
-            out.seqs[i].num_hidden_positions = first + states.shape[1]
+        for i, kept in res.layer_outputs.items():  # rejected drafts' go in _delta
+            keep_layer_outputs(out.seqs[i], kept)
         logits = {seq.seq_id: rows for seq, rows in zip(out.seqs, verification.logits)}
         logprobs = {seq.seq_id: lps for seq, lps in zip(out.seqs, verification.logprobs)}
         deltas = [
@@ -235,7 +234,7 @@ class Engine:
         if seq.params.prompt_logprobs is not None and seq.num_returned_tokens == 0:
             prompt_logprobs = [None, *seq.prompt_logprobs]  # the first delta carries them
         new_tokens = seq.output_token_ids[seq.num_returned_tokens :]
-        hidden = _take_hidden_states(seq) if seq.params.return_hidden_states else None
+        hidden, attentions = _take_layer_outputs(seq) if seq.params.keeps_layers else (None, None)
         seq.num_returned_tokens = seq.num_output_tokens
         if seq.is_finished:
             self.requests.pop(seq.seq_id, None)
@@ -251,6 +250,7 @@ class Engine:
             None if logprobs is None else logprobs[: len(new_tokens)],
             prompt_logprobs,
             hidden_states=hidden,
+            attentions=attentions,
         )
 
 
@@ -265,18 +265,31 @@ def check_priority(priority: Any, by_priority: bool) -> None:  # noqa: ANN401
         )
 
 
-def _take_hidden_states(seq: Sequence) -> torch.Tensor | None:
-    """The hidden states ``seq`` kept since its last delta, less those of positions past its
-    last token but one: rejected drafts', and a stop string's cut (the last token is not fed)."""
-    if not seq.hidden_states:
-        return None
-    states = torch.cat(seq.hidden_states, dim=1)
-    seq.hidden_states = []
-    excess = seq.num_hidden_positions - (seq.num_tokens - 1)
-    if excess > 0:
+def keep_layer_outputs(seq: Sequence, kept: KeptLayers) -> None:
+    """Add a step's per-layer outputs to those ``seq`` hands back with its next delta."""
+    n = kept.states.shape[1]
+    if seq.params.return_hidden_states:
+        seq.hidden_states.append(kept.states)
+    if kept.attentions is not None:  # per position p, its row over positions 0 .. p
+        rows = kept.attentions.unbind(dim=2)
+        seq.attentions += [row[..., : kept.first + j + 1] for j, row in enumerate(rows)]
+    seq.num_kept_positions = kept.first + n
+
+
+def _take_layer_outputs(seq: Sequence) -> tuple[torch.Tensor | None, list[torch.Tensor] | None]:
+    """The hidden states and attentions ``seq`` kept since its last delta (where asked for),
+    less those of positions past its last token but one: rejected drafts', and a stop string's
+    cut (the last token is not fed)."""
+    excess = max(0, seq.num_kept_positions - (seq.num_tokens - 1))
+    seq.num_kept_positions -= excess
+    states, attentions = None, None
+    if seq.hidden_states:
+        states = torch.cat(seq.hidden_states, dim=1)
         states = states[:, : states.shape[1] - excess]
-        seq.num_hidden_positions -= excess
-    return states
+    if seq.params.return_attentions:
+        attentions = seq.attentions[: len(seq.attentions) - excess]
+    seq.hidden_states, seq.attentions = [], []
+    return states, attentions
 
 
 def cuda_kv_blocks(device: torch.device, config: EngineConfig, block_bytes: int) -> int:

@@ -127,3 +127,35 @@ def hidden_steps(
         for t in range(n - 1):
             later[t, :, b, 0] = row[:, prompt + t]
     return (tuple(first.unbind(0)), *(tuple(step.unbind(0)) for step in later))
+
+
+def attention_steps(
+    rows: list[list[torch.Tensor] | None],  # [B] per fed position p, [layers, heads, p + 1]
+    attention_mask: torch.Tensor,  # [B, L] 1 where row b's prompt tokens are
+    num_new: list[int],  # [B] each row's generated tokens
+    dtype: torch.dtype,
+) -> tuple[tuple[torch.Tensor, ...], ...]:
+    """transformers' ``attentions``: per generated token, per layer, ``[B, heads, L, L]`` at the
+    first step and ``[B, heads, 1, L + t]`` at step ``t``, the columns those of the padded input
+    and then of the tokens generated so far; a padding position, or a row that has ended, reads
+    zeros (transformers also computes its pad tokens' attention)."""
+    present = [r for r in rows if r]
+    layers, heads, _ = present[0][0].shape
+    length, batch = attention_mask.shape[1], len(rows)
+    first = torch.zeros(layers, batch, heads, length, length, dtype=dtype)
+    later = [
+        torch.zeros(layers, batch, heads, 1, length + t, dtype=dtype)
+        for t in range(1, max(num_new))
+    ]
+    for b, (positions, n) in enumerate(zip(rows, num_new)):
+        if not positions:
+            continue
+        where = attention_mask[b].cpu().bool().nonzero().flatten()  # prompt position -> column
+        prompt = len(where)
+        for j in range(prompt):
+            first[:, b, :, where[j], where[: j + 1]] = positions[j].to(dtype)
+        for t in range(1, n):
+            probs = positions[prompt + t - 1]  # over the prompt, then t generated tokens
+            later[t - 1][:, b, :, 0, where] = probs[..., :prompt].to(dtype)
+            later[t - 1][:, b, :, 0, length:] = probs[..., prompt:].to(dtype)
+    return tuple(tuple(step.unbind(0)) for step in (first, *later))

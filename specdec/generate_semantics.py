@@ -44,7 +44,6 @@ UNSUPPORTED = {
     "token_healing": (None, False),
     "dola_layers": (None,),
     "constraints": (None,),
-    "output_attentions": (None, False),
 }
 
 
@@ -180,6 +179,7 @@ def sampling_params(
             exponential_decay_length_penalty=tuple(decay) if decay is not None else None,
             return_logits=bool(config.output_scores or config.output_logits),
             return_hidden_states=bool(config.output_hidden_states),
+            return_attentions=bool(config.output_attentions),
             logits_processors=custom,
             stop_strings=config.stop_strings or None,  # in the text of every token, as
             skip_special_tokens=False,  # transformers' StopStringCriteria reads it

@@ -375,6 +375,8 @@ def merge_delta(total: RequestOutput, delta: RequestOutput) -> None:
         if total.hidden_states is not None:
             states = torch.cat([total.hidden_states, states], dim=1)
         total.hidden_states = states
+    if delta.attentions is not None:
+        total.attentions = [*(total.attentions or []), *delta.attentions]
     if delta.logprobs is not None:
         total.logprobs = total.logprobs if total.logprobs is not None else []
         total.logprobs.extend(delta.logprobs)

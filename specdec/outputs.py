@@ -50,6 +50,9 @@ class RequestOutput:
     # those since the previous one), at index 0 the embeddings, at i the output of decoder layer
     # i - 1, at the last the final norm's output (what the logits come from)
     hidden_states: torch.Tensor | None = None
+    # with SamplingParams.return_attentions, else None: per position of hidden_states' (p), each
+    # layer's attention probabilities over positions 0..p, [layers, heads, p + 1] float32
+    attentions: list[torch.Tensor] | None = None
     prompt: str | None = None  # the prompt's text where it was given as text (LLM.generate)
     # LLM.generate with SamplingParams.n > 1: completions 2..n of the prompt (this is the first)
     more_completions: list[RequestOutput] = field(default_factory=list)

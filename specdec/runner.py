@@ -20,7 +20,7 @@ import torch
 
 from specdec.attention import AttentionMetadata
 from specdec.cuda_graphs import CaptureError, StepGraphs
-from specdec.models.llama import LlamaForCausalLM
+from specdec.models.llama import AttentionProbe, LlamaForCausalLM
 from specdec.outputs import TokenLogprobs
 from specdec.sampling import token_logprobs
 from specdec.scheduler import SchedulerOutput
@@ -46,9 +46,18 @@ class StepResult:
     # index into SchedulerOutput.seqs -> the logprobs of the prompt tokens this step's chunk
     # decided (SamplingParams.prompt_logprobs), continuing the sequence's prompt_logprobs
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
-    # index into SchedulerOutput.seqs -> (first position, [layers + 1, n, hidden]) the states of
-    # the query positions not kept before, for sequences that ask (return_hidden_states)
-    layer_states: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    # index into SchedulerOutput.seqs -> per-layer outputs at the query positions not kept
+    # before, for sequences that ask (return_hidden_states, return_attentions)
+    layer_outputs: dict[int, KeptLayers] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class KeptLayers:
+    """One sequence's per-layer outputs at ``n`` consecutive query positions of a step."""
+
+    first: int  # the first position
+    states: torch.Tensor  # [layers + 1, n, hidden] (see LlamaForCausalLM.forward_with_layers)
+    attentions: torch.Tensor | None  # [layers, heads, n, first + n] where asked for
 
 
 @dataclass(slots=True)
@@ -84,13 +93,13 @@ def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype)
 def _layer_rows(out: SchedulerOutput) -> dict[int, tuple[int, int, int]]:
     """Index into ``out.seqs`` -> (first flat row, rows, first position) of the query positions
     whose hidden states the sequence wants kept: those not kept before (a preempted sequence
-    computes its positions again), for sequences with ``return_hidden_states``."""
+    computes its positions again), for sequences that keep per-layer outputs."""
     wanted: dict[int, tuple[int, int, int]] = {}
     row = 0
     for i, (seq, n) in enumerate(zip(out.seqs, out.num_scheduled_tokens)):
         start = seq.num_computed_tokens
-        first = max(start, seq.num_hidden_positions)
-        if seq.params.return_hidden_states and first < start + n:
+        first = max(start, seq.num_kept_positions)
+        if seq.params.keeps_layers and first < start + n:
             wanted[i] = (row + first - start, start + n - first, first)
         row += n
     return wanted
@@ -238,10 +247,11 @@ class ModelRunner:
             if rows:
                 sample_indices.append(i)
                 num_logit_rows.append(rows)
-        asked = any(seq.params.return_hidden_states for seq in out.seqs)
+        asked = any(seq.params.keeps_layers for seq in out.seqs)
         wanted = _layer_rows(out) if asked else {}
         layer_rows = [r for row, n, _ in wanted.values() for r in range(row, row + n)]
-        logits, hidden, token_hidden, layers = self.forward(chunks, layer_rows or None)
+        probes = self._probes(out, wanted) if asked else []
+        logits, hidden, token_hidden, layers = self.forward(chunks, layer_rows or None, probes)
         kept = token_hidden if keep_token_hidden_states else None
         starts = [c.start for c in chunks]
         prompt = (  # most steps: no sequence asked (the check costs a tenth of the call)
@@ -250,11 +260,32 @@ class ModelRunner:
             else {}
         )
         res = StepResult(logits, hidden, sample_indices, num_logit_rows, starts, kept, prompt)
-        offset = 0
+        offset, attentions = 0, iter(layers[1] if layers else ())
         for i, (_, n, first) in wanted.items():
-            res.layer_states[i] = (first, layers[:, offset : offset + n])  # type: ignore[index]
+            probs = next(attentions) if out.seqs[i].params.return_attentions else None
+            states = layers[0][:, offset : offset + n]  # type: ignore[index]
+            res.layer_outputs[i] = KeptLayers(first, states, probs)
             offset += n
         return res
+
+    def _probes(
+        self, out: SchedulerOutput, wanted: dict[int, tuple[int, int, int]]
+    ) -> list[AttentionProbe]:
+        """The attention probes of the sequences that ask for attentions, in ``wanted``'s
+        order (see :meth:`LlamaForCausalLM.forward_with_layers`)."""
+        probes, offset = [], 0
+        for i, (row, n, first) in wanted.items():
+            seq = out.seqs[i]
+            if seq.params.return_attentions:
+                slots = QueryChunk([0] * (first + n), 0, seq.block_table).slots(self.block_size)
+                rows, kept, positions = (
+                    torch.arange(a, a + n, device=self.device) for a in (row, offset, first)
+                )
+                probes.append(
+                    AttentionProbe(rows, kept, positions, torch.tensor(slots, device=self.device))
+                )
+            offset += n
+        return probes
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -290,11 +321,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(
-        self, chunks: list[QueryChunk], layer_rows: list[int] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        self,
+        chunks: list[QueryChunk],
+        layer_rows: list[int] | None = None,
+        probes: list[AttentionProbe] | None = None,
+    ) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, list[torch.Tensor]] | None
+    ]:
         """Run ``chunks`` as one flat batch; return logits [M, V] float32, the hidden states
         at those rows [M, H] and at every token fed [N, H], and, for the flat ``layer_rows``,
-        every layer's states [layers + 1, R, H] (see ``forward_with_layers``; else None).
+        every layer's states [layers + 1, R, H] and the ``probes``' attention probabilities
+        (see ``forward_with_layers``; else None).
 
         ``M`` is the sum of the chunks' ``num_logit_rows``: each chunk's last rows, in order.
         Decodes and verifications replay a CUDA graph where the runner has them.
@@ -338,7 +375,10 @@ class ModelRunner:
             hidden = self.model(step[0], step[1], meta)
         else:
             kept = torch.tensor(layer_rows, dtype=torch.long, device=self.device)
-            hidden, layers = self.model.forward_with_layers(step[0], step[1], meta, kept)
+            hidden, states, probs = self.model.forward_with_layers(
+                step[0], step[1], meta, kept, probes
+            )
+            layers = states, probs
         rows = hidden[rows_index]
         return self.model.compute_logits(rows).float(), rows, hidden, layers
 

@@ -85,9 +85,11 @@ class Sequence:
     # with SamplingParams.prompt_logprobs: entry i is prompt token i + 1's, as far as computed
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # with SamplingParams.return_hidden_states: [layers + 1, n, hidden] states of the positions
-    # computed since the last delta, in order, and how many positions have been kept in all
+    # computed since the last delta, in order; with return_attentions, per such position p its
+    # [layers, heads, p + 1] probabilities; and how many positions have been kept in all
     hidden_states: list[torch.Tensor] = field(default_factory=list)
-    num_hidden_positions: int = 0
+    attentions: list[torch.Tensor] = field(default_factory=list)
+    num_kept_positions: int = 0
     # with SamplingParams.choice, regex or json_schema: which tokens may come next (see
     # specdec/structured/guide.py), and its state after each output token walked so far
     guide: Guide | None = None
@@ -135,15 +137,14 @@ class Sequence:
         return wanted and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
-    def needs_hidden_states(self) -> bool:
-        """Hidden states asked for and some position fed so far not yet kept."""
-        wanted = self.params.return_hidden_states
-        return wanted and self.num_hidden_positions < self.num_tokens - 1
+    def needs_layer_outputs(self) -> bool:
+        """Hidden states or attentions asked for, and some position fed so far not yet kept."""
+        return self.params.keeps_layers and self.num_kept_positions < self.num_tokens - 1
 
     @property
     def needs_every_position(self) -> bool:
         """Whether each position must be computed, none taken from the prefix cache."""
-        return self.needs_prompt_logprobs or self.needs_hidden_states
+        return self.needs_prompt_logprobs or self.needs_layer_outputs
 
     def allowed_tokens(self, drafts: int) -> list[int] | torch.Tensor | None:
         """With a guide: the tokens that may follow the output and the first ``drafts`` drafts

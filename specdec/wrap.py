@@ -30,11 +30,12 @@ set), ``top_p``, ``min_p``, ``max_new_tokens`` / ``max_length``, ``min_new_token
 ``num_return_sequences``. Every row's noise seed is drawn from torch's global generator, so
 ``torch.manual_seed(s)`` before a call makes it reproducible, whatever the drafter or batch.
 ``return_dict_in_generate`` with ``output_logits`` / ``output_scores`` hands back the rows each
-token was decided from, with ``output_hidden_states`` every layer's states of each fed token. ``logits_processor`` (transformers' processors, called on each row) and
+token was decided from, with ``output_hidden_states`` / ``output_attentions`` every layer's
+states / attention probabilities at each fed token. ``logits_processor`` (transformers' processors, called on each row) and
 ``stopping_criteria`` / ``max_time`` (a row ends after the token past which one holds) work as
 in ``generate``. ``num_beams > 1`` runs transformers' beam search (and beam sampling) on
 the engine (:mod:`specdec.beam_search`). Options whose effect the engine does not implement
-(contrastive search, guidance, attentions, ...) are refused with a ``ValueError`` naming them,
+(contrastive search, guidance, watermarking, ...) are refused with a ``ValueError`` naming them,
 never ignored.
 """
 
@@ -178,14 +179,16 @@ class WrappedModel:
         if not config.return_dict_in_generate:
             return sequences
         logits = [out.logits for out in outputs]
-        hidden = None
-        if config.output_hidden_states:
-            mask = hf.prompt_mask(input_ids, attention_mask, config)
-            hidden = tensors.hidden_steps(
-                [out.hidden_states for out in outputs],
-                mask.repeat_interleave(copies, dim=0),
-                [len(tokens) for tokens in new_tokens],
-            )
+        hidden = attentions = None
+        if config.output_hidden_states or config.output_attentions:
+            mask = hf.prompt_mask(input_ids, attention_mask, config).repeat_interleave(copies, 0)
+            num_new = [len(tokens) for tokens in new_tokens]
+            if config.output_hidden_states:
+                states = [out.hidden_states for out in outputs]
+                hidden = tensors.hidden_steps(states, mask, num_new)
+            if config.output_attentions:
+                probs = [out.attentions for out in outputs]
+                attentions = tensors.attention_steps(probs, mask, num_new, self.model.dtype)
         scores = (
             tensors.scores(logits, params, prompts, new_tokens, bool(config.renormalize_logits))
             if config.output_scores
@@ -196,6 +199,7 @@ class WrappedModel:
             scores=tensors.per_step(scores) if scores else None,  # type: ignore[arg-type]
             logits=tensors.per_step(logits) if config.output_logits else None,  # type: ignore[arg-type]
             hidden_states=hidden,  # type: ignore[arg-type]
+            attentions=attentions,  # type: ignore[arg-type]
         )
 
     def _beam_generate(
@@ -210,11 +214,12 @@ class WrappedModel:
         :mod:`specdec.beam_search`. The logits processors that ``generate`` applies (penalties,
         bans, forcing) change each step's log-probabilities, as in transformers."""
         hf.check_beam_config(config)
-        if config.output_hidden_states:
-            raise ValueError(
-                "output_hidden_states with num_beams > 1 is not supported by specdec.wrap; "
-                "it is with num_beams=1"
-            )
+        for name in ("output_hidden_states", "output_attentions"):
+            if getattr(config, name):
+                raise ValueError(
+                    f"{name} with num_beams > 1 is not supported by specdec.wrap; it is with "
+                    "num_beams=1"
+                )
         prompts = hf.prompt_rows(input_ids, attention_mask, config)
         rules = hf.sampling_params(config, input_ids.shape[1], [0], processors)[0]
 

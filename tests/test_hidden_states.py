@@ -1,6 +1,8 @@
 """Hidden states (``SamplingParams.return_hidden_states``): every fed token's states after the
 embedding, each decoder layer and the final norm, as transformers' ``output_hidden_states``
-gives them, whatever the chunking, drafter, prefix cache or preemption; the tokens unchanged."""
+gives them, whatever the chunking, drafter, prefix cache or preemption; the tokens unchanged.
+Attentions (``return_attentions``): each layer's probabilities at the same positions, as its
+``output_attentions`` gives them."""
 
 import pytest
 import torch
@@ -24,6 +26,19 @@ def assert_matches_reference(out, hf_model) -> None:  # noqa: ANN001
     expected = reference(hf_model, fed)
     assert out.hidden_states.shape == expected.shape
     torch.testing.assert_close(out.hidden_states, expected, atol=5e-5, rtol=1e-4)
+
+
+def assert_attentions_match(out, hf_model) -> None:  # noqa: ANN001
+    """Position p's row of each layer's probabilities, as eager attention computes them."""
+    fed = out.prompt_token_ids + out.token_ids[:-1]
+    hf_model.config._attn_implementation = "eager"  # the implementation that returns them
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([fed]), output_attentions=True).attentions
+    assert out.attentions is not None and len(out.attentions) == len(fed)
+    for p, probs in enumerate(out.attentions):
+        assert probs.shape == (len(expected), expected[0].shape[1], p + 1)
+        for layer, theirs in zip(probs, expected):
+            torch.testing.assert_close(layer, theirs[0, :, p, : p + 1], atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("budget", [1024, 7])  # one chunk, or chunks of 7 tokens beside decodes
@@ -71,12 +86,30 @@ def test_a_request_that_asks_is_not_served_from_the_prefix_cache(make_llm):
 def test_preemption_keeps_each_position_once(make_llm):
     llm = make_llm(block_size=4, num_kv_blocks=40, max_num_batched_tokens=32)
     params = SamplingParams(
-        temperature=0, max_tokens=40, ignore_eos=True, return_hidden_states=True
-    )
+        temperature=0, max_tokens=40, ignore_eos=True, return_hidden_states=True,
+        return_attentions=True,
+    )  # fmt: skip
     outputs = llm.generate(PROMPTS * 2, params)
     assert sum(o.metrics.num_preemptions for o in outputs) > 0
     for out in outputs:
         assert_matches_reference(out, llm.hf_model)
+        assert_attentions_match(out, llm.hf_model)
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_attentions_are_transformers_output_attentions_at_every_fed_token(make_llm, speculate):
+    """Prompt chunks beside decodes, or verifications whose rejected drafts are dropped; a
+    request may ask for attentions alone."""
+    if speculate:
+        llm = make_llm(block_size=4, speculative={"drafter": "prompt_lookup"})
+    else:
+        llm = make_llm(block_size=4, max_num_batched_tokens=7)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, return_attentions=True)
+    for out in llm.generate(PROMPTS, params):
+        assert out.hidden_states is None
+        assert_attentions_match(out, llm.hf_model)
+    stats = llm.engine.verifier.stats
+    assert not speculate or 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
 def test_streamed_deltas_carry_the_positions_they_decided(make_llm):
@@ -98,10 +131,14 @@ def test_a_stop_string_ends_the_states_with_the_kept_tokens(make_llm):
     llm = make_llm(block_size=4)
     free = llm.generate(PROMPTS[1], STATES)[0]
     stop = free.text[3:5]
-    params = SamplingParams(temperature=0, max_tokens=12, stop=[stop], return_hidden_states=True)
+    params = SamplingParams(
+        temperature=0, max_tokens=12, stop=[stop], return_hidden_states=True,
+        return_attentions=True,
+    )  # fmt: skip
     out = llm.generate(PROMPTS[1], params)[0]
     assert out.finish_reason == "stop" and len(out.token_ids) < len(free.token_ids)
     assert_matches_reference(out, llm.hf_model)
+    assert_attentions_match(out, llm.hf_model)
 
 
 def test_bfloat16_states_are_close_to_transformers(make_llm):
@@ -114,7 +151,8 @@ def test_bfloat16_states_are_close_to_transformers(make_llm):
     assert error < 0.03
 
 
+@pytest.mark.parametrize("name", ["return_hidden_states", "return_attentions"])
 @pytest.mark.parametrize("bad", ["yes", 1, None])
-def test_bad_return_hidden_states_are_refused(bad):
-    with pytest.raises(ValueError, match="return_hidden_states must be true or false"):
-        SamplingParams(return_hidden_states=bad)
+def test_bad_flags_are_refused(name, bad):
+    with pytest.raises(ValueError, match=f"{name} must be true or false"):
+        SamplingParams(**{name: bad})

@@ -1,4 +1,5 @@
-"""``specdec.wrap``'s ``output_hidden_states``: transformers' per-step, per-layer tensors."""
+"""``specdec.wrap``'s ``output_hidden_states`` and ``output_attentions``: transformers' per-step,
+per-layer tensors."""
 
 from __future__ import annotations
 
@@ -26,6 +27,21 @@ def assert_steps_match(actual, expected, mask: torch.Tensor, lengths: list[int])
             assert not a[~real].any()
 
 
+def assert_attention_steps_match(actual, expected, mask, lengths: list[int]) -> None:  # noqa: ANN001
+    """Equal shapes; close probabilities in the rows of real positions (at the first step, the
+    prompt's rows; after, the rows that have not ended), zeros in the others."""
+    assert len(actual) == len(expected)
+    for t, (ours, theirs) in enumerate(zip(actual, expected)):
+        if t == 0:
+            real = mask.bool()[:, None, :, None].expand_as(ours[0])
+        else:
+            real = torch.tensor([n > t for n in lengths])[:, None, None, None].expand_as(ours[0])
+        for a, b in zip(ours, theirs, strict=True):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a[real], b[real], atol=1e-5, rtol=1e-4)
+            assert not a[~real].any()
+
+
 def new_lengths(sequences: torch.Tensor, width: int, pad: int) -> list[int]:
     """Each row's generated tokens (the EOS that ended it included), as ``generate`` pads."""
     return [
@@ -48,6 +64,22 @@ def test_greedy_hidden_states_equal_transformers(batch):
         out = fast.generate(ids, **options, **OUTPUTS, **drafting)
         assert torch.equal(out.sequences, expected.sequences)
         assert_steps_match(out.hidden_states, expected.hidden_states, mask, lengths)
+
+
+def test_greedy_attentions_equal_transformers():
+    model, tokenizer = model_and_tokenizer()
+    model.config._attn_implementation = "eager"  # transformers' implementation that returns them
+    ids, mask = left_padded(tokenizer, TEXTS)
+    eos = 179  # ends rows 0 and 3 early
+    options = dict(attention_mask=mask, max_new_tokens=16, eos_token_id=eos, pad_token_id=eos)
+    outputs = dict(return_dict_in_generate=True, output_attentions=True)
+    expected = model.generate(ids, do_sample=False, **options, **outputs)
+    lengths = new_lengths(expected.sequences, ids.shape[1], eos)
+    fast = specdec.wrap(model, tokenizer)
+    for drafting in ({}, {"prompt_lookup_num_tokens": 3}):
+        out = fast.generate(ids, **options, **outputs, **drafting)
+        assert torch.equal(out.sequences, expected.sequences) and out.hidden_states is None
+        assert_attention_steps_match(out.attentions, expected.attentions, mask, lengths)
 
 
 def test_sampled_rows_have_the_states_of_their_own_tokens():
@@ -96,10 +128,11 @@ def test_a_stopping_criterion_ends_the_steps_with_the_tokens():
     assert_steps_match(out.hidden_states, expected.hidden_states, mask, [5])
 
 
-def test_beam_search_with_hidden_states_is_refused():
+@pytest.mark.parametrize("name", ["output_hidden_states", "output_attentions"])
+def test_beam_search_with_layer_outputs_is_refused(name):
     model, tokenizer = model_and_tokenizer()
-    ids, mask = left_padded(tokenizer, TEXTS[:1])
-    with pytest.raises(ValueError, match="output_hidden_states with num_beams > 1"):
-        specdec.wrap(model, tokenizer).generate(ids, num_beams=2, **OUTPUTS)
-    with pytest.raises(ValueError, match=r"output_attentions=True\) is not supported"):
-        specdec.wrap(model, tokenizer).generate(ids, output_attentions=True)
+    ids, _ = left_padded(tokenizer, TEXTS[:1])
+    with pytest.raises(ValueError, match=f"{name} with num_beams > 1 is not supported"):
+        specdec.wrap(model, tokenizer).generate(
+            ids, num_beams=2, return_dict_in_generate=True, **{name: True}
+        )

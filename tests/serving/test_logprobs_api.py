@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specdec import SamplingParams
+from specdec.serving import ServerConfig
 from tests.tiny import byte_tokenizer
 
 from .conftest import MODEL
@@ -202,3 +203,45 @@ def test_chat_prompt_logprobs_score_the_templated_prompt(served, offline):
         assert lp is not None and entry[str(lp.token_id)]["logprob"] == pytest.approx(lp.logprob)
     plain = served.post("/v1/chat/completions", json=body | {"prompt_logprobs": None}).json()
     assert plain["prompt_logprobs"] is None
+
+
+def test_tokens_as_token_ids_name_every_token_by_its_id(served, offline, make_server):
+    """vLLM's return_tokens_as_token_ids: in completions, chat, prompt logprobs and streams; the
+    server's flag makes it the default, which a request can turn off."""
+    client = served.client()
+    ids = {"return_tokens_as_token_ids": True, **EXTRA}
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=2, ignore_eos=True)
+    expected = offline.generate("Once upon", params)[0].logprobs
+    assert expected is not None
+    named = [f"token_id:{lp.token_id}" for lp in expected]
+    out = client.completions.create(
+        model=MODEL, prompt="Once upon", max_tokens=6, temperature=0, logprobs=2, extra_body=ids
+    )
+    logprobs = out.choices[0].logprobs
+    assert logprobs.tokens == named
+    assert logprobs.text_offset == [sum(len(t) for t in named[:i]) for i in range(len(named))]
+    assert all(
+        top[t] == pytest.approx(lp.logprob)
+        for t, top, lp in zip(named, logprobs.top_logprobs, expected)
+    )
+    streamed = client.completions.create(
+        model=MODEL, prompt="Once upon", max_tokens=6, temperature=0, logprobs=0, stream=True,
+        extra_body=ids,
+    )  # fmt: skip
+    assert [t for c in streamed for t in c.choices[0].logprobs.tokens] == named
+    chat = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
+        extra_body={**ids, "prompt_logprobs": 1},
+    )  # fmt: skip
+    for entry in chat.choices[0].logprobs.content:
+        assert entry.token.startswith("token_id:") and entry.bytes == list(entry.token.encode())
+        assert all(t.token.startswith("token_id:") for t in entry.top_logprobs)
+    prompt = chat.model_extra["prompt_logprobs"]
+    assert all(e["decoded_token"].startswith("token_id:") for p in prompt[1:] for e in p.values())
+    by_flag = make_server(ServerConfig(served_model_name=MODEL, return_tokens_as_token_ids=True))
+    args = dict(model=MODEL, prompt="Once upon", max_tokens=6, temperature=0, logprobs=0)
+    flagged = by_flag.client().completions.create(**args, extra_body=EXTRA)
+    assert flagged.choices[0].logprobs.tokens == named
+    off = {"return_tokens_as_token_ids": False, **EXTRA}
+    texts = by_flag.client().completions.create(**args, extra_body=off).choices[0].logprobs.tokens
+    assert texts == [byte_tokenizer().decode([lp.token_id]) for lp in expected]
