@@ -165,7 +165,9 @@ def beam_search(
 def step_params() -> SamplingParams:
     """What each beam asks the engine for: its next-token logits, and nothing drawn (seeded:
     a request draws no seed from torch's global generator, which beam sampling reads)."""
-    return SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, return_logits=True, seed=0)
+    return SamplingParams(
+        max_tokens=1, temperature=0, ignore_eos=True, return_logits=True, seed=0, detokenize=False
+    )
 
 
 def run(llm: LLM, prompts: list[list[int]], search: Search) -> SearchResult:

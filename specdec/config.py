@@ -87,6 +87,9 @@ class SamplingParams:
     # seed + i, as the server's choices do
     n: int = 1
     skip_special_tokens: bool = True  # leave special tokens (end of turn, EOS) out of the text
+    # decode the output into text (vLLM's); False: tokens only, the text stays empty (no stop
+    # strings then, which are looked for in the text)
+    detokenize: bool = True
     include_stop_str_in_output: bool = False  # end the text after the stop string, not before
     # only these token ids may be generated (vLLM's allowed_token_ids): every other token gets a
     # -inf logit, end-of-sequence ids included unless listed; None: any token
@@ -179,6 +182,7 @@ class SamplingParams:
             "return_attentions",
             "skip_special_tokens",
             "include_stop_str_in_output",
+            "detokenize",
         ):
             _check(
                 isinstance(getattr(self, name), bool),
@@ -281,6 +285,10 @@ class SamplingParams:
                 isinstance(strings, list | tuple) and all(isinstance(t, str) and t for t in strings)
             ),
             f"stop_strings must be a list of non-empty strings, got {strings!r}",
+        )
+        _check(
+            self.detokenize is not False or not (strings or self.stop),
+            "stop strings are looked for in the text: they need detokenize=True",
         )
         _check(
             not (strings and self.stop),

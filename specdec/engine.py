@@ -229,7 +229,7 @@ class Engine:
         """The text and tokens ``seq`` gained since its previous delta; ``logits`` and
         ``logprobs``: those of this step's emitted tokens, of which the kept ones are handed
         back (a stop ends a step's tokens early)."""
-        text = self.detokenizer.step(seq, self.scheduler)
+        text = self.detokenizer.step(seq, self.scheduler) if seq.params.detokenize else ""
         prompt_logprobs = None
         if seq.params.prompt_logprobs is not None and seq.num_returned_tokens == 0:
             prompt_logprobs = [None, *seq.prompt_logprobs]  # the first delta carries them

@@ -181,6 +181,7 @@ def sampling_params(
             return_hidden_states=bool(config.output_hidden_states),
             return_attentions=bool(config.output_attentions),
             logits_processors=custom,
+            detokenize=bool(config.stop_strings),  # generate returns tokens: text only for them
             stop_strings=config.stop_strings or None,  # in the text of every token, as
             skip_special_tokens=False,  # transformers' StopStringCriteria reads it
         )

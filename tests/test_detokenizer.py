@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -171,12 +172,27 @@ def test_stop_strings_end_at_the_token_that_completes_one(make_llm, speculative,
         ({"stop_strings": [""]}, "stop_strings must be"),
         ({"stop_strings": [3]}, "stop_strings must be"),
         ({"stop_strings": ["a"], "stop": ["b"]}, "not both"),
+        ({"stop": ["a"], "detokenize": False}, "need detokenize=True"),
+        ({"stop_strings": ["a"], "detokenize": False}, "need detokenize=True"),
+        ({"detokenize": 0}, "detokenize must be true or false"),
     ],
 )
 def test_bad_stop_strings_are_refused(options, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**options)
     assert SamplingParams(stop_strings="ab").stop_strings == ["ab"]
+
+
+def test_without_detokenizing_the_tokens_are_the_same_and_the_text_empty(make_llm):
+    """vLLM's detokenize=False: tokens only (the detokenizer is never called)."""
+    llm = make_llm()
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    text = llm.generate([PROMPT], params)[0]
+    llm.engine.detokenizer = None  # type: ignore[assignment]
+    bare = llm.generate([PROMPT], dataclasses.replace(params, detokenize=False))[0]
+    assert bare.token_ids == text.token_ids and text.text and bare.text == ""
+    deltas = list(llm.stream(PROMPT, SamplingParams(max_tokens=5, detokenize=False)))
+    assert len(deltas) == 5 and all(d.text == "" for d in deltas)
 
 
 def metaspace_tokenizer() -> PreTrainedTokenizerFast:
