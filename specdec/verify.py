@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.kernels.rejection import rejection_sample_reference, rejection_sample_triton
+from specdec.kernels.rejection import rejection_sample_triton
+from specdec.kernels.rejection_reference import rejection_sample_reference
 
 BACKENDS = ("triton", "torch")
 BACKEND_ENV = "SPECDEC_VERIFY_BACKEND"  # forces a backend when the call names none

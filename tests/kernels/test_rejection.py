@@ -12,11 +12,10 @@ import os
 import pytest
 import torch
 
-from specdec.kernels.rejection import (
+from specdec.kernels.rejection import rejection_sample_triton, verify_row_tokens_triton
+from specdec.kernels.rejection_reference import (
     rejection_sample_reference,
-    rejection_sample_triton,
     verify_row_tokens_reference,
-    verify_row_tokens_triton,
 )
 from tests.kernels import compile_for_hopper
 
