@@ -39,6 +39,8 @@ _INT64 = 2**63
 
 class StreamOptions(StrictModel):
     include_usage: bool | None = None  # end the stream with a chunk holding the usage
+    # with include_usage, every chunk also holds the usage so far (vLLM's extra)
+    continuous_usage_stats: bool | None = None
 
 
 class GenerationFields(GuidedFields):
@@ -147,6 +149,12 @@ class GenerationFields(GuidedFields):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every chunk of the stream holds the usage so far."""
+        options = self.stream_options
+        return self.include_usage and bool(options and options.continuous_usage_stats)
 
     @property
     def num_logprobs(self) -> int | None:

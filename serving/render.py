@@ -55,6 +55,7 @@ class ResponseMeta:
     tool_choice: Any = None  # "required" or a named function: the replies are function calls
     auto_tools: list[str] | None = None  # "auto": the tools' names, for the parser of the calls
     token_ids: bool = False  # logprobs name tokens "token_id:<id>" (return_tokens_as_token_ids)
+    continuous_usage: bool = False  # every chunk holds the usage so far (continuous_usage_stats)
 
     def __post_init__(self) -> None:
         self.id = self.id or new_id(self.prefix)
@@ -100,8 +101,9 @@ async def completion_chunks(
 
     def chunk(choices: list[CompletionChoice]) -> CompletionResponse:
         return CompletionResponse(
-            id=meta.id, created=meta.created, model=meta.model, choices=choices
-        )
+            id=meta.id, created=meta.created, model=meta.model, choices=choices,
+            usage=generation.usage() if meta.continuous_usage else None,
+        )  # fmt: skip
 
     texts, echo = meta.token_texts(generation), meta.echo
     offsets = [0] * len(generation.choices)  # each choice's text_offset so far
@@ -180,8 +182,9 @@ async def chat_chunks(
 ) -> AsyncIterator[ChatCompletionChunk]:
     def chunk(choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
         return ChatCompletionChunk(
-            id=meta.id, created=meta.created, model=meta.model, choices=choices
-        )
+            id=meta.id, created=meta.created, model=meta.model, choices=choices,
+            usage=generation.usage() if meta.continuous_usage else None,
+        )  # fmt: skip
 
     named = meta.tool_choice is not None and not isinstance(meta.tool_choice, str)
     for i in range(len(generation.choices)):

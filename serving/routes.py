@@ -153,6 +153,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         echo=echo,
         prompt_logprobs=show_prompt_logprobs,
         token_ids=as_token_ids(state, body),
+        continuous_usage=body.continuous_usage,
     )
     full = partial(completion_response, generation, meta)
     chunks = partial(completion_chunks, generation, meta, body.include_usage)
@@ -181,6 +182,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         tool_choice=body.tool_choice if body.calls_tools else None,
         auto_tools=names,
         token_ids=as_token_ids(state, body),
+        continuous_usage=body.continuous_usage,
     )
     full = partial(chat_response, generation, meta)
     chunks = partial(chat_chunks, generation, meta, body.include_usage)

@@ -14,6 +14,7 @@ from tests.tiny import byte_tokenizer
 
 from .conftest import MODEL
 
+EXTRA_EOS = {"ignore_eos": True}
 CHAT = [{"role": "user", "content": "Name a prime."}]
 
 
@@ -64,6 +65,27 @@ def test_greedy_stream_concatenates_to_the_full_response(served, chat):
     assert all(c.choices[0].finish_reason is None for c in chunks[:-2])
     assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
     assert full.usage.completion_tokens == 40
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_continuous_usage_stats_count_the_tokens_so_far_in_every_chunk(served, chat):
+    """vLLM's stream_options.continuous_usage_stats: each chunk's usage counts the tokens sent
+    up to it; without include_usage it changes nothing."""
+    client = served.client()
+    args = dict(model=MODEL, max_tokens=12, temperature=0, stream=True, extra_body=EXTRA_EOS)
+    args |= {"messages": CHAT} if chat else {"prompt": "count me"}
+    create = client.chat.completions.create if chat else client.completions.create
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(create(stream_options=options, **args))
+    assert all(c.usage is not None for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 12 and counts[0] <= 1
+    prompt = {c.usage.prompt_tokens for c in chunks}
+    assert len(prompt) == 1 and all(
+        c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks
+    )
+    quiet = list(create(stream_options={"continuous_usage_stats": True}, **args))
+    assert all(c.usage is None for c in quiet)
 
 
 def test_stream_is_server_sent_events_ending_in_done(served):
