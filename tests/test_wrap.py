@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
-from transformers import GPT2Config, GPT2LMHeadModel, TextIteratorStreamer, TextStreamer
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    TextIteratorStreamer,
+    TextStreamer,
+    pipeline,
+)
 
 import specdec
 from specdec import LLM, SamplingParams
@@ -345,3 +351,13 @@ def test_wrapping_twice_fuses_once(monkeypatch: pytest.MonkeyPatch):
         == qkv[1].data_ptr()
         == model.model.layers[1].self_attn.q_proj.weight.data_ptr()
     )
+
+
+def test_a_text_generation_pipeline_runs_on_the_wrapped_model():
+    """transformers' pipeline calls generate: the same text as on the model itself."""
+    model, tokenizer = model_and_tokenizer()
+    options = dict(max_new_tokens=12, do_sample=False)
+    expected = pipeline("text-generation", model=model, tokenizer=tokenizer)(TEXTS[1], **options)
+    fast = pipeline("text-generation", model=specdec.wrap(model, tokenizer), tokenizer=tokenizer)
+    assert fast(TEXTS[1], **options) == expected
+    assert fast.model.generate.__self__.__class__.__name__ == "WrappedModel"
