@@ -47,7 +47,7 @@ class ServerConfig:
     openapi: bool = False  # serve the OpenAPI schema at /openapi.json (behind the key, if set)
     metrics_require_key: bool = False  # put /metrics behind the API key too
     # tool_choice "auto" (vLLM's --enable-auto-tool-choice): the model decides whether to call,
-    # and tool_call_parser (see tool_parsers.py: "hermes") finds its calls in the reply
+    # and tool_call_parser (see tool_parsers.py: "hermes", "mistral", ...) finds its calls
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     # every request's logprobs name tokens "token_id:<id>" (vLLM's --return-tokens-as-token-ids)

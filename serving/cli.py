@@ -80,7 +80,7 @@ def _is_loopback(host: str) -> bool:
     "--tool-call-parser",
     type=click.Choice(TOOL_CALL_PARSERS),
     default=None,
-    help='The model\'s tool-call syntax, read under tool_choice "auto" (hermes: <tool_call>).',
+    help='The model\'s tool-call syntax, read under tool_choice "auto" (see the README).',
 )
 @click.option(
     "--openapi",

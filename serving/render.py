@@ -38,7 +38,7 @@ from specdec.serving.responses import (
     new_id,
     now_s,
 )
-from specdec.serving.tool_parsers import HermesStream, parse_hermes
+from specdec.serving.tool_parsers import CallParser, CallStream
 from specdec.serving.tools import new_call_id, tool_calls_of
 
 
@@ -53,7 +53,7 @@ class ResponseMeta:
     echo: list[str] | None = None  # each choice's start: its prompt (chat: the final message)
     prompt_logprobs: bool = False  # show the prompt tokens' logprobs (vLLM's prompt_logprobs)
     tool_choice: Any = None  # "required" or a named function: the replies are function calls
-    auto_tools: list[str] | None = None  # "auto": the tools' names, for the parser of the calls
+    auto_tools: CallParser | None = None  # "auto": the parser of the calls, for the tools
     token_ids: bool = False  # logprobs name tokens "token_id:<id>" (return_tokens_as_token_ids)
     continuous_usage: bool = False  # every chunk holds the usage so far (continuous_usage_stats)
 
@@ -159,7 +159,7 @@ def chat_response(generation: Generation, meta: ResponseMeta) -> ChatCompletionR
         if calls is not None:
             message, reason = ToolCallsMessage(tool_calls=calls), _calls_reason(meta)
         elif meta.auto_tools is not None and reason == "stop":
-            parsed = parse_hermes(c.text, meta.auto_tools)
+            parsed = meta.auto_tools.parse(c.text)
             if parsed.tool_calls:
                 message = ToolCallsMessage(content=parsed.content, tool_calls=parsed.tool_calls)
                 reason = "tool_calls"
@@ -201,7 +201,7 @@ async def chat_chunks(
         yield chunk([ChatChunkChoice(index=i, delta=opening)])
     texts = meta.token_texts(generation)
     held = [""] * len(generation.choices)  # "required": each reply's text, parsed at its end
-    auto = [HermesStream(meta.auto_tools) for _ in held] if meta.auto_tools is not None else None
+    auto = [meta.auto_tools.stream() for _ in held] if meta.auto_tools is not None else None
     async for i, delta in generation.deltas():
         if auto is not None:
             for chunk_choice in _auto_deltas(auto[i], i, delta, texts):
@@ -232,7 +232,7 @@ async def chat_chunks(
 
 
 def _auto_deltas(
-    stream: HermesStream, i: int, delta: Any, texts: Callable[[int], str]
+    stream: CallStream, i: int, delta: Any, texts: Callable[[int], str]
 ) -> list[ChatChunkChoice]:
     """Under "auto": the text the parser lets through now; at the end, what it held back, then
     the calls whole (finish_reason "tool_calls"), or the held text if it holds no call."""

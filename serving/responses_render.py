@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict
 
 from specdec.serving.generation import Generation
 from specdec.serving.responses import new_id, now_s
-from specdec.serving.tool_parsers import HermesStream, ParsedReply, parse_hermes
+from specdec.serving.tool_parsers import CallParser, CallStream, ParsedReply
 from specdec.serving.tools import tool_calls_of
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ class Reply:
         body: ResponsesRequest,
         model: str,
         generation: Generation,
-        auto_tools: list[str] | None = None,  # "auto": the tools' names, for the parser
+        auto_tools: CallParser | None = None,  # "auto": the parser of the calls
     ):
         self.body, self.model, self.generation = body, model, generation
         self.auto_tools = auto_tools
@@ -148,7 +148,7 @@ class Reply:
         if self.body.calls_tools and choice.finish_reason == "stop":
             calls = tool_calls_of(choice.text, self.body.chat_tool_choice())
         elif self.auto_tools is not None and choice.finish_reason == "stop":
-            parsed = self.streamed or parse_hermes(choice.text, self.auto_tools)
+            parsed = self.streamed or self.auto_tools.parse(choice.text)
             calls, said = parsed.tool_calls or None, parsed.content
         if calls is None:
             return [self.message(choice.text, status)]
@@ -194,7 +194,7 @@ async def events(reply: Reply) -> AsyncIterator[Event]:
     yield event("created", response=started)
     yield event("in_progress", response=started)
     live = not reply.body.calls_tools  # text goes out as it comes; calls whole at the end
-    auto = HermesStream(reply.auto_tools) if reply.auto_tools is not None else None
+    auto = reply.auto_tools.stream() if reply.auto_tools is not None else None
     where = {"item_id": reply.message_id, "output_index": 0, "content_index": 0}
     message_open = False  # at once for plain text, with its first text under "auto"
     said = ""
@@ -236,7 +236,7 @@ async def events(reply: Reply) -> AsyncIterator[Event]:
     yield event("completed" if done.status == "completed" else "incomplete", response=done)
 
 
-def _let_through(stream: HermesStream, delta: Any) -> str:
+def _let_through(stream: CallStream, delta: Any) -> str:
     """Under "auto": the text the parser lets through for ``delta``; at the end, what it held
     back (the text before the calls, or all of it where no call parses or the reply was cut
     short). The calls it found are then ``stream.calls``."""

@@ -46,6 +46,7 @@ from specdec.serving.responses import (
     ModelList,
     TokenizeResponse,
 )
+from specdec.serving.tool_parsers import CallParser, parser_for
 
 if TYPE_CHECKING:
     from specdec.serving.app import ServerState
@@ -199,9 +200,13 @@ def check_model(state: ServerState, model: str | None) -> None:
         )
 
 
-def auto_tools(state: ServerState, body: ChatCompletionRequest | ResponsesBody) -> list[str] | None:
-    """The tools' names when the model decides whether to call them (tool_choice "auto", the
-    default with tools), else None; 400 where the server has no parser for its calls."""
+def auto_tools(
+    state: ServerState, body: ChatCompletionRequest | ResponsesBody
+) -> CallParser | None:
+    """The parser of the calls, for the request's tools, when the model decides whether to call
+    them (tool_choice "auto", the default with tools), else None; 400 where the server has no
+    parser for its calls. A syntax whose marker is a special token keeps special tokens in the
+    reply's text."""
     if not body.auto_tools:
         return None
     if not state.config.enable_auto_tool_choice:
@@ -209,11 +214,14 @@ def auto_tools(state: ServerState, body: ChatCompletionRequest | ResponsesBody) 
             400,
             'tool_choice is "auto" (the default with tools), which needs a parser of the '
             "model's own tool-call syntax: start the server with --enable-auto-tool-choice "
-            '--tool-call-parser hermes, or set it to "required", "none" or {"type": '
-            '"function", "function": {"name": ...}}',
+            "--tool-call-parser (hermes, mistral, llama3_json or pythonic), or set it to "
+            '"required", "none" or {"type": "function", "function": {"name": ...}}',
             param="tool_choice",
         )
-    return body.tool_names()
+    parser = parser_for(state.config.tool_call_parser or "hermes", body.tool_names())
+    if parser.syntax.special_tokens and body.skip_special_tokens is None:
+        body.skip_special_tokens = False
+    return parser
 
 
 def check_prompt_logprobs(body: GenerationFields) -> bool:

@@ -1,32 +1,44 @@
 """Parsers of a model's own tool-call syntax, for ``tool_choice: "auto"``.
 
 Under "auto" the model decides whether to call a function, so its reply is free text in which a
-parser finds the calls, as vLLM's ``--tool-call-parser`` does. ``hermes`` reads the syntax of
-Hermes-style chat templates (NousResearch Hermes 2 Pro, Qwen2.5 and others): each call is a JSON
-object ``{"name": ..., "arguments": {...}}`` between ``<tool_call>`` and ``</tool_call>``, after
-any text the model says first.
+parser finds the calls, as vLLM's ``--tool-call-parser`` does. The syntaxes, by vLLM's names:
 
-A reply is taken as calls only when every block parses and names one of the request's tools;
+- ``hermes`` (NousResearch Hermes 2 Pro, Qwen2.5, SmolLM2 and others): each call a JSON object
+  ``{"name": ..., "arguments": {...}}`` between ``<tool_call>`` and ``</tool_call>``, after any
+  text the model says first.
+- ``mistral`` (Mistral 7B Instruct v0.3 and its kin): ``[TOOL_CALLS]`` then a JSON array of such
+  objects, after any text. ``[TOOL_CALLS]`` is a special token, so the server keeps special
+  tokens in such a reply's text (vLLM does the same).
+- ``llama3_json`` (Llama 3.1 and 3.2's JSON calling): the whole reply is one or more objects
+  ``{"name": ..., "parameters": {...}}``, separated by ``;``, after an optional
+  ``<|python_tag|>``.
+- ``pythonic`` (Llama 3.2 and 4's Python-list calling): the whole reply is a list of calls,
+  ``[get_weather(city="Paris"), clock()]``, with keyword arguments that are Python literals.
+
+A reply is taken as calls only when every call parses and names one of the request's tools;
 otherwise it is handed back as the text it is, so nothing the model wrote is lost. A stream
-passes text through until a call may be starting (a prefix of ``<tool_call>`` is held back
-until the next delta shows what it is), then holds the rest and parses it once the reply ends:
-its calls arrive whole in the last chunk, as "required" calls do. Whitespace is held back
-until text follows it, so that a stream's content is the text before the calls without the
-whitespace that separates them, as a whole reply's is.
+passes text through until a call may be starting (a prefix of the opening marker is held back
+until the next delta shows what it is; for the whole-reply syntaxes, the reply's first
+characters), then holds the rest and parses it once the reply ends: its calls arrive whole in
+the last chunk, as "required" calls do. Whitespace is held back until text follows it, so that
+a stream's content is the text before the calls without the whitespace that separates them, as
+a whole reply's is.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from specdec.serving.responses import FunctionCall, ToolCall
 from specdec.serving.tools import new_call_id
 
-HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-TOOL_CALL_PARSERS = ("hermes",)  # the names --tool-call-parser takes
+_PYTHON_TAG = "<|python_tag|>"
 
 
 @dataclass(slots=True)
@@ -37,41 +49,154 @@ class ParsedReply:
     tool_calls: list[ToolCall] = field(default_factory=list)
 
 
-def parse_hermes(text: str, tool_names: list[str]) -> ParsedReply:
-    """The calls in a finished reply, or the whole reply as text when it holds none or a call
-    that does not parse or names no given tool."""
-    start = text.find(HERMES_START)
-    if start < 0:
-        return ParsedReply(text)
-    calls = []
-    for block in _HERMES_BLOCK.findall(text[start:]):
+@dataclass(frozen=True, slots=True)
+class Syntax:
+    """Where a model's calls are in its reply, and how to read them."""
+
+    # the calls are this marker and what follows it, anywhere in the reply; None: the calls are
+    # the whole reply, which then starts with one of ``openers``
+    marker: str | None
+    # the calls' text (from the marker on, or the whole reply) -> the calls, or None if any of
+    # them does not parse or names no tool in the list
+    read: Callable[[str, list[str]], list[ToolCall] | None]
+    openers: tuple[str, ...] = ()
+    special_tokens: bool = False  # the marker is a special token: keep them in the text
+
+
+def _call(name: Any, arguments: Any, tool_names: list[str]) -> ToolCall | None:  # noqa: ANN401
+    """A call of ``name`` (one of ``tool_names``) with a JSON object of arguments (or its
+    text), else None."""
+    if isinstance(arguments, str):
         try:
-            call = json.loads(block)
+            arguments = json.loads(arguments)
         except json.JSONDecodeError:
-            return ParsedReply(text)
-        if not isinstance(call, dict) or call.get("name") not in tool_names:
-            return ParsedReply(text)
-        arguments = call.get("arguments", call.get("parameters", {}))
-        if not isinstance(arguments, dict):
-            return ParsedReply(text)
-        function = FunctionCall(
-            name=call["name"], arguments=json.dumps(arguments, ensure_ascii=False)
-        )
-        calls.append(ToolCall(id=new_call_id(), function=function))
-    if not calls:  # a call opened and never closed: the reply was cut short
-        return ParsedReply(text)
-    content = text[:start].strip()
-    return ParsedReply(content or None, calls)
+            return None
+    if name not in tool_names or not isinstance(arguments, dict):
+        return None
+    text = json.dumps(arguments, ensure_ascii=False)
+    return ToolCall(id=new_call_id(), function=FunctionCall(name=name, arguments=text))
 
 
-class HermesStream:
+def _json_calls(objects: Any, tool_names: list[str]) -> list[ToolCall] | None:  # noqa: ANN401
+    """Calls from JSON objects ``{"name", "arguments" or "parameters"}``."""
+    calls = []
+    for obj in objects:
+        if not isinstance(obj, dict):
+            return None
+        call = _call(obj.get("name"), obj.get("arguments", obj.get("parameters", {})), tool_names)
+        if call is None:
+            return None
+        calls.append(call)
+    return calls or None
+
+
+def _hermes(text: str, tool_names: list[str]) -> list[ToolCall] | None:
+    try:
+        objects = [json.loads(block) for block in _HERMES_BLOCK.findall(text)]
+    except json.JSONDecodeError:
+        return None
+    return _json_calls(objects, tool_names)  # none closed: the reply was cut short
+
+
+def _mistral(text: str, tool_names: list[str]) -> list[ToolCall] | None:
+    try:
+        objects = json.loads(text.removeprefix("[TOOL_CALLS]"))
+    except json.JSONDecodeError:
+        return None
+    return _json_calls(objects if isinstance(objects, list) else [objects], tool_names)
+
+
+def _llama3_json(text: str, tool_names: list[str]) -> list[ToolCall] | None:
+    text, decoder, objects, at = text.strip().removeprefix(_PYTHON_TAG), json.JSONDecoder(), [], 0
+    while True:
+        at = len(text) - len(text[at:].lstrip())
+        try:
+            obj, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return None
+        objects.append(obj)
+        rest = text[at:].lstrip()
+        if not rest:
+            return _json_calls(objects, tool_names)
+        if not rest.startswith(";"):
+            return None
+        at = len(text) - len(rest) + 1
+
+
+def _pythonic(text: str, tool_names: list[str]) -> list[ToolCall] | None:
+    try:
+        tree = ast.parse(text.strip(), mode="eval").body
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return None
+        calls = []
+        for node in tree.elts:
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)) or node.args:
+                return None
+            if any(kw.arg is None for kw in node.keywords):  # **kwargs
+                return None
+            arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+            call = _call(node.func.id, arguments, tool_names)
+            if call is None:
+                return None
+            calls.append(call)
+        return calls
+    except (SyntaxError, ValueError, TypeError):  # not Python, or not literals
+        return None
+
+
+SYNTAXES = {
+    "hermes": Syntax("<tool_call>", _hermes),
+    "mistral": Syntax("[TOOL_CALLS]", _mistral, special_tokens=True),
+    "llama3_json": Syntax(None, _llama3_json, openers=(_PYTHON_TAG, "{")),
+    "pythonic": Syntax(None, _pythonic, openers=("[",)),
+}
+TOOL_CALL_PARSERS = tuple(SYNTAXES)  # the names --tool-call-parser takes
+
+
+@dataclass(frozen=True, slots=True)
+class CallParser:
+    """A syntax, for a request's tools."""
+
+    syntax: Syntax
+    tool_names: list[str]
+
+    def parse(self, text: str) -> ParsedReply:
+        """The calls in a finished reply, or the whole reply as text when it holds none or a
+        call that does not parse or names no given tool."""
+        start = self.calls_start(text)
+        if start is None:
+            return ParsedReply(text)
+        calls = self.syntax.read(text[start:], self.tool_names)
+        if calls is None:
+            return ParsedReply(text)
+        return ParsedReply(text[:start].strip() or None, calls)
+
+    def calls_start(self, text: str) -> int | None:
+        """Where the calls would begin in ``text`` (None: nowhere)."""
+        marker = self.syntax.marker
+        if marker is not None:
+            start = text.find(marker)
+            return None if start < 0 else start
+        head = text.lstrip()
+        return len(text) - len(head) if head.startswith(self.syntax.openers) else None
+
+    def stream(self) -> CallStream:
+        return CallStream(self)
+
+
+def parser_for(name: str, tool_names: list[str]) -> CallParser:
+    return CallParser(SYNTAXES[name], tool_names)
+
+
+class CallStream:
     """A streamed reply, delta by delta: the text that can be sent now, then the calls."""
 
-    def __init__(self, tool_names: list[str]):
-        self.tool_names = tool_names
+    def __init__(self, parser: CallParser):
+        self.parser = parser
         self.text = ""  # the reply so far
         self.sent = 0  # characters of it sent as content
         self.held = False  # a call has started: nothing more is sent until the end
+        self.plain = False  # (whole-reply syntaxes) the reply did not start with a call
         self.calls: list[ToolCall] = []  # what finish() found
 
     def feed(self, delta: str) -> str:
@@ -79,20 +204,37 @@ class HermesStream:
         self.text += delta
         if self.held:
             return ""
-        start = self.text.find(HERMES_START, self.sent)
+        marker = self.parser.syntax.marker
+        if marker is None:
+            return self._feed_whole()
+        start = self.text.find(marker, self.sent)
         if start >= 0:
             self.held = True
             return self._send(_text_end(self.text, start))
         # whitespace waits for what follows: before a call it is not content
-        return self._send(_text_end(self.text, len(self.text) - _partial_start(self.text)))
+        partial = _partial_start(self.text, marker)
+        return self._send(_text_end(self.text, len(self.text) - partial))
+
+    def _feed_whole(self) -> str:
+        """For a syntax whose calls are the whole reply: hold its start until it shows whether
+        it opens calls; then hold everything, or send everything."""
+        if not self.plain:
+            head, openers = self.text.lstrip(), self.parser.syntax.openers
+            if head.startswith(openers):
+                self.held = True
+                return ""
+            if not head or any(opener.startswith(head) for opener in openers):
+                return ""  # may still open calls
+            self.plain = True
+        return self._send(len(self.text))
 
     def finish(self) -> ParsedReply:
         """At the end: the calls, and any text not yet sent (all of it, if no call parses)."""
-        parsed = parse_hermes(self.text, self.tool_names)
+        parsed = self.parser.parse(self.text)
         if not parsed.tool_calls:
             return ParsedReply(self._send(len(self.text)) or None)
         self.calls = parsed.tool_calls
-        content = self._send(self.text.find(HERMES_START)).strip()
+        content = self._send(self.parser.calls_start(self.text) or 0).strip()
         return ParsedReply(content or None, parsed.tool_calls)
 
     def flush(self) -> str:
@@ -109,9 +251,9 @@ def _text_end(text: str, end: int) -> int:
     return len(text[:end].rstrip())
 
 
-def _partial_start(text: str) -> int:
-    """How many characters at the end of ``text`` could begin ``<tool_call>``."""
-    for size in range(min(len(HERMES_START) - 1, len(text)), 0, -1):
-        if HERMES_START.startswith(text[-size:]):
+def _partial_start(text: str, marker: str) -> int:
+    """How many characters at the end of ``text`` could begin ``marker``."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
             return size
     return 0

@@ -150,5 +150,6 @@ def test_serve_takes_auto_tool_choice_with_a_parser(captured_run):
     bad = CliRunner().invoke(cli.serve, ["--enable-auto-tool-choice"])
     assert bad.exit_code != 0
     assert "enable_auto_tool_choice needs a tool_call_parser" in bad.output
-    bad = CliRunner().invoke(cli.serve, ["--tool-call-parser", "mistral"])
-    assert bad.exit_code == 2 and "'mistral' is not 'hermes'" in bad.output
+    bad = CliRunner().invoke(cli.serve, ["--tool-call-parser", "granite"])
+    assert bad.exit_code == 2
+    assert "'granite' is not one of 'hermes', 'mistral', 'llama3_json', 'pythonic'" in bad.output

@@ -1,5 +1,6 @@
-"""The Hermes tool-call parser: calls found in a finished reply, the same calls and text when
-the reply arrives in deltas split anywhere, and text handed back whole when it holds no call."""
+"""The tool-call parsers (hermes, mistral, llama3_json, pythonic): calls found in a finished
+reply, the same calls and text when the reply arrives in deltas split anywhere, and text handed
+back whole when it holds no call."""
 
 from __future__ import annotations
 
@@ -7,32 +8,69 @@ import json
 
 import pytest
 
-from specdec.serving.tool_parsers import HermesStream, parse_hermes
+from specdec.serving.tool_parsers import TOOL_CALL_PARSERS, parser_for
 
 NAMES = ["weather", "clock"]
 ONE = '<tool_call>{"name": "weather", "arguments": {"unit": "c"}}</tool_call>'
 TWO = ONE + '\n<tool_call>\n{"name": "clock", "arguments": {}}\n</tool_call>'
+MISTRAL = '[TOOL_CALLS] [{"name": "weather", "arguments": {"unit": "c"}}, {"name": "clock", "arguments": "{}"}]'
+LLAMA = '<|python_tag|>{"name": "weather", "parameters": {"unit": "c"}}; {"name": "clock", "parameters": {}}'
+PYTHONIC = '[weather(unit="c"), clock()]'
+BOTH = [("weather", {"unit": "c"}), ("clock", {})]
+
+CASES = {  # syntax -> (reply, content, calls found)
+    "hermes": [
+        (ONE, None, [("weather", {"unit": "c"})]),
+        ("Let me check.\n" + TWO, "Let me check.", BOTH),
+        ("No call <tool here.", None, []),
+        ("<tool_call>{not json}</tool_call>", None, []),
+        ('<tool_call>{"name": "nope", "arguments": {}}</tool_call>', None, []),
+        ('<tool_call>{"name": "weather", "arguments": "x"}</tool_call>', None, []),
+        (ONE[:-5], None, []),  # cut short
+        ("", None, []),
+    ],
+    "mistral": [
+        (MISTRAL, None, BOTH),
+        ("Sure. " + MISTRAL, "Sure.", BOTH),
+        ('[TOOL_CALLS]{"name": "clock", "arguments": {}}', None, [("clock", {})]),
+        ("[TOOL_CALLS] [{", None, []),
+        ('[TOOL_CALLS] [{"name": "nope", "arguments": {}}]', None, []),
+        ("just [TOOL text", None, []),
+    ],
+    "llama3_json": [
+        (LLAMA, None, BOTH),
+        (' {"name": "clock", "arguments": {}}', None, [("clock", {})]),
+        ('{"name": "clock", "parameters": {}} and more', None, []),
+        ('Here: {"name": "clock", "parameters": {}}', None, []),  # calls are the whole reply
+        ('{"name": "clock", "parameters": [1]}', None, []),
+        ("{", None, []),
+    ],
+    "pythonic": [
+        (PYTHONIC, None, BOTH),
+        ('[weather(unit="c", days=[1, 2])]', None, [("weather", {"unit": "c", "days": [1, 2]})]),
+        ("[weather(x)]", None, []),  # positional: not a call this syntax has
+        ("[weather(unit=os.environ)]", None, []),  # not a literal
+        ("[nope()]", None, []),
+        ("[1, 2] are numbers", None, []),
+        ("Text, then [clock()]", None, []),
+    ],
+}
 
 
 def calls(parsed):  # noqa: ANN001, ANN201
     return [(c.function.name, json.loads(c.function.arguments)) for c in parsed.tool_calls]
 
 
+def test_every_parser_has_cases() -> None:
+    assert set(CASES) == set(TOOL_CALL_PARSERS)
+
+
 @pytest.mark.parametrize(
-    ("text", "content", "expected"),
-    [
-        (ONE, None, [("weather", {"unit": "c"})]),
-        ("Let me check.\n" + TWO, "Let me check.", [("weather", {"unit": "c"}), ("clock", {})]),
-        ("No call <tool here.", "No call <tool here.", []),
-        ("<tool_call>{not json}</tool_call>", "<tool_call>{not json}</tool_call>", []),
-        ('<tool_call>{"name": "nope", "arguments": {}}</tool_call>', None, []),
-        ('<tool_call>{"name": "weather", "arguments": "x"}</tool_call>', None, []),
-        (ONE[:-5], ONE[:-5], []),  # cut short
-        ("", "", []),
-    ],
+    ("syntax", "text", "content", "expected"),
+    [(syntax, *case) for syntax, cases in CASES.items() for case in cases],
 )
-def test_parse(text: str, content: str | None, expected: list) -> None:
-    parsed = parse_hermes(text, NAMES)
+def test_parse(syntax: str, text: str, content: str | None, expected: list) -> None:
+    parsed = parser_for(syntax, NAMES).parse(text)
     assert calls(parsed) == expected
     if expected:
         assert parsed.content == content and all(
@@ -43,17 +81,19 @@ def test_parse(text: str, content: str | None, expected: list) -> None:
 
 
 @pytest.mark.parametrize(
-    "text", ["Let me check.\n" + TWO, ONE, "plain <tool_ text", "a<", ONE[:-5]]
+    ("syntax", "text"), [(syntax, case[0]) for syntax, cases in CASES.items() for case in cases]
 )
-def test_a_stream_split_anywhere_gives_what_the_whole_reply_gives(text: str) -> None:
-    whole = parse_hermes(text, NAMES)
+def test_a_stream_split_anywhere_gives_what_the_whole_reply_gives(syntax: str, text: str) -> None:
+    parser = parser_for(syntax, NAMES)
+    whole = parser.parse(text)
     for cut in range(len(text) + 1):
         for second in (cut, min(cut + 3, len(text))):
-            stream = HermesStream(NAMES)
+            stream = parser.stream()
             sent = stream.feed(text[:cut]) + stream.feed(text[cut:second])
             sent += stream.feed(text[second:])
-            if "<tool_call>" in text:  # nothing of a call (nor the space before it) is sent
-                assert sent == text[: text.index("<tool_call>")].rstrip()
+            start = parser.calls_start(text)
+            if start is not None:  # nothing of a call (nor the space before it) is sent
+                assert sent == text[:start].rstrip()
             end = stream.finish()
             assert calls(end) == calls(whole)
             if whole.tool_calls:
@@ -63,14 +103,25 @@ def test_a_stream_split_anywhere_gives_what_the_whole_reply_gives(text: str) -> 
 
 
 def test_a_stream_cut_short_flushes_what_it_held() -> None:
-    stream = HermesStream(NAMES)
+    stream = parser_for("hermes", NAMES).stream()
     assert stream.feed("Hi <tool_ca") == "Hi"  # a call may be starting: held back, and the
     assert stream.feed('ll>{"name": "wea') == ""  # space before it
     assert stream.flush() == ' <tool_call>{"name": "wea'
+    whole = parser_for("pythonic", NAMES).stream()
+    assert whole.feed(" [weath") == ""  # the reply opens a list: held
+    assert whole.flush() == " [weath"
 
 
 def test_whitespace_waits_for_what_follows() -> None:
-    stream = HermesStream(NAMES)
+    stream = parser_for("hermes", NAMES).stream()
     assert stream.feed("Hello ") == "Hello"
     assert stream.feed("world.\n") == " world."
     assert stream.finish().content == "\n"  # no call followed: the reply as it is
+
+
+def test_a_reply_that_opens_with_text_streams_at_once_under_whole_reply_syntaxes() -> None:
+    stream = parser_for("llama3_json", NAMES).stream()
+    assert stream.feed(" ") == ""  # may still open calls
+    assert stream.feed("The ") == " The "  # it does not: text from now on
+    assert stream.feed('{"name": "clock"}') == '{"name": "clock"}'
+    assert stream.finish().content is None and not stream.calls

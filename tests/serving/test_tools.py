@@ -220,3 +220,38 @@ def test_auto_hands_back_text_that_holds_no_whole_call(auto_served, stream):
             assert all(c.delta.tool_calls is None for c in chunks)
         assert got_reason == reason and got.rstrip("#") == text[: len(got.rstrip("#"))]
         assert got.rstrip("#") == text or reason == "length"
+
+
+SYNTAX_REPLIES = {  # each parser's syntax, as a model that writes it would reply
+    "mistral": 'Sure.[TOOL_CALLS][{"name": "weather", "arguments": {"unit": "c"}}]',
+    "llama3_json": '{"name": "weather", "parameters": {"unit": "c"}}',
+    "pythonic": '[weather(unit="c")]',
+}
+
+
+@pytest.mark.parametrize("syntax", list(SYNTAX_REPLIES))
+def test_each_parser_reads_its_syntax_whole_and_streamed(make_server, syntax):
+    config = ServerConfig(
+        served_model_name=MODEL, enable_auto_tool_choice=True, tool_call_parser=syntax
+    )
+    served = make_server(config)
+    engine, skips = served.llm.engine, []
+    add = engine.add_request
+    engine.add_request = lambda ids, params, priority=0: (  # type: ignore[method-assign]
+        skips.append(params.skip_special_tokens) or add(ids, params, priority)
+    )
+    text = SYNTAX_REPLIES[syntax]
+    body = {"messages": CHAT, "tools": TOOLS, "max_tokens": 120, "temperature": 0,
+            "extra_body": {"guided_regex": re.escape(text)}}  # fmt: skip
+    client = served.client()
+    reply = client.chat.completions.create(model=MODEL, **body).choices[0]
+    chunks = [c.choices[0] for c in client.chat.completions.create(model=MODEL, stream=True, **body)
+              if c.choices]  # fmt: skip
+    streamed = [t for c in chunks for t in c.delta.tool_calls or []]
+    expected = [("weather", {"unit": "c"})]
+    for calls in (reply.message.tool_calls, streamed):
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == expected
+    content = "Sure." if syntax == "mistral" else None
+    assert reply.message.content == content and reply.finish_reason == "tool_calls"
+    assert "".join(c.delta.content or "" for c in chunks) == (content or "")
+    assert skips == [syntax != "mistral"] * 2  # [TOOL_CALLS] is a special token: kept
