@@ -98,6 +98,28 @@ def _is_loopback(host: str) -> bool:
 @click.option("--max-num-seqs", default=64, show_default=True, type=int, help="Batch size cap.")
 @click.option("--kv-cache-memory-gb", default=1.0, show_default=True, type=float)
 @click.option(
+    "--num-kv-blocks",
+    "--num-gpu-blocks-override",
+    "num_kv_blocks",
+    default=None,
+    type=int,
+    help="The KV pool's size in blocks, instead of --kv-cache-memory-gb (vLLM's second name).",
+)
+@click.option("--block-size", default=16, show_default=True, type=int, help="Tokens per KV block.")
+@click.option(
+    "--max-num-batched-tokens",
+    default=1024,
+    show_default=True,
+    type=int,
+    help="A step's token budget (prompt chunks and decodes); longer prompts are chunked.",
+)
+@click.option(
+    "--enable-prefix-caching/--no-enable-prefix-caching",
+    default=True,
+    show_default=True,
+    help="Reuse the KV blocks of prompts' common prefixes across requests.",
+)
+@click.option(
     "--scheduling-policy",
     type=click.Choice(SCHEDULING_POLICIES),
     default="fcfs",
@@ -149,6 +171,10 @@ def serve(
     max_model_len: int | None,
     max_num_seqs: int,
     kv_cache_memory_gb: float,
+    num_kv_blocks: int | None,
+    block_size: int,
+    max_num_batched_tokens: int,
+    enable_prefix_caching: bool,
     scheduling_policy: str,
     gpu_memory_utilization: float,
     seed: int | None,
@@ -182,6 +208,10 @@ def serve(
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
             kv_cache_memory_gb=kv_cache_memory_gb,
+            num_kv_blocks=num_kv_blocks,
+            block_size=block_size,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
             scheduling_policy=scheduling_policy,
             gpu_memory_utilization=gpu_memory_utilization,
             seed=seed,

@@ -61,6 +61,10 @@ def test_serve_binds_loopback_and_takes_the_api_key_from_the_environment(capture
             "max_num_seqs": 8,
             "max_model_len": None,
             "kv_cache_memory_gb": 1.0,
+            "num_kv_blocks": None,
+            "block_size": 16,
+            "max_num_batched_tokens": 1024,
+            "enable_prefix_caching": True,
             "scheduling_policy": "fcfs",
             "gpu_memory_utilization": 0.5,
             "seed": 11,
@@ -85,6 +89,18 @@ def test_serve_passes_the_scheduling_policy_on(captured_run):
     assert captured_run["llm"][1]["scheduling_policy"] == "priority"
     bad = CliRunner().invoke(cli.serve, ["--scheduling-policy", "lifo"])
     assert bad.exit_code == 2 and "'lifo' is not one of 'fcfs', 'priority'" in bad.output
+
+
+def test_serve_passes_the_engine_sizes_on_under_vllms_names_too(captured_run):
+    args = ["--num-gpu-blocks-override", "300", "--block-size", "32"]
+    args += ["--max-num-batched-tokens", "256", "--no-enable-prefix-caching"]
+    result = CliRunner().invoke(cli.serve, args)
+    assert result.exit_code == 0, result.output
+    options = captured_run["llm"][1]
+    assert (options["num_kv_blocks"], options["block_size"]) == (300, 32)
+    assert options["max_num_batched_tokens"] == 256 and options["enable_prefix_caching"] is False
+    result = CliRunner().invoke(cli.serve, ["--num-kv-blocks", "12"])
+    assert result.exit_code == 0 and captured_run["llm"][1]["num_kv_blocks"] == 12
 
 
 def test_serve_passes_the_draft_quantization_on(captured_run):
