@@ -28,6 +28,7 @@ from specdec.serving.limits import (
 from specdec.serving.logprobs import TokenTexts
 from specdec.serving.metrics import RequestCountMiddleware, ServerMetrics
 from specdec.serving.responses_api import router as responses_router
+from specdec.serving.responses_store import ResponseStore
 from specdec.serving.routes import router
 from specdec.serving.tool_parsers import TOOL_CALL_PARSERS
 
@@ -52,13 +53,16 @@ class ServerConfig:
     tool_call_parser: str | None = None
     # every request's logprobs name tokens "token_id:<id>" (vLLM's --return-tokens-as-token-ids)
     return_tokens_as_token_ids: bool = False
+    # the Responses API keeps this many finished responses (0: none), for previous_response_id
+    # and GET/DELETE /v1/responses/{id} (see responses_store.py)
+    responses_store: int = 0
 
     def __post_init__(self) -> None:
         names = ("max_concurrent", "max_body_bytes", "retry_after_s", "max_stop_chars")
         for name in names:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("max_queue", "max_stop_strings"):
+        for name in ("max_queue", "max_stop_strings", "responses_store"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.api_key is not None and not self.api_key:
@@ -86,6 +90,7 @@ class ServerState:
     gate: AdmissionGate  # --max-concurrent and --max-queue
     max_prompt_chars: int  # a longer prompt text cannot fit the context (refused untokenized)
     token_texts: TokenTexts  # each token's text, for logprobs
+    responses: ResponseStore | None = None  # --responses-store
     created: int = field(default_factory=lambda: int(time.time()))  # server start, Unix time
 
 
@@ -102,6 +107,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
         gate=AdmissionGate(config.max_concurrent, config.max_queue, config.retry_after_s),
         max_prompt_chars=max_prompt_chars(llm.tokenizer, llm.engine.max_model_len),
         token_texts=TokenTexts(llm.tokenizer),
+        responses=ResponseStore(config.responses_store) if config.responses_store else None,
     )
     metrics.queued.set_function(lambda: state.gate.num_waiting)
     metrics.observe_engine(llm.engine)

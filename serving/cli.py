@@ -93,6 +93,14 @@ def _is_loopback(host: str) -> bool:
     help='Logprobs name each token "token_id:<id>" (a request\'s return_tokens_as_token_ids '
     "overrides it), so clients read exact ids (vLLM's flag).",
 )
+@click.option(
+    "--responses-store",
+    default=0,
+    show_default=True,
+    type=int,
+    help="Keep the last N responses of the Responses API in memory, for previous_response_id "
+    "and GET/DELETE /v1/responses/{id} (0: none are stored).",
+)
 @click.option("--served-model-name", default=None, help="Name clients send as `model`.")
 @click.option("--max-model-len", default=None, type=int, help="Longest prompt + output.")
 @click.option("--max-num-seqs", default=64, show_default=True, type=int, help="Batch size cap.")
@@ -167,6 +175,7 @@ def serve(
     tool_call_parser: str | None,
     openapi: bool,
     return_tokens_as_token_ids: bool,
+    responses_store: int,
     served_model_name: str | None,
     max_model_len: int | None,
     max_num_seqs: int,
@@ -197,6 +206,7 @@ def serve(
             enable_auto_tool_choice=enable_auto_tool_choice,
             tool_call_parser=tool_call_parser,
             return_tokens_as_token_ids=return_tokens_as_token_ids,
+            responses_store=responses_store,
         )
         llm = LLM(
             model,

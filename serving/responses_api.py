@@ -8,16 +8,18 @@ extras of chat completions (``seed``, ``top_k``, ...) are taken too, as vLLM's s
 them. Function tools are called as chat completions call them (``tools.py``): ``tool_choice``
 "required" or a named function, on guided decoding. :mod:`responses_render` builds the reply.
 
-Nothing is stored: ``store`` is answered ``false``, and what needs a stored response
-(``previous_response_id``, ``background``) is refused, as are reasoning, ``truncation:
-"auto"``, each with a 400 that names the field. ``tool_choice: "auto"`` needs a server
-started with a tool-call parser, as chat completions do.
+Responses are stored only on a server started with ``--responses-store N``
+(:mod:`responses_store`): then ``previous_response_id`` continues a stored conversation and
+``GET`` / ``DELETE /v1/responses/{id}`` read and forget one; without it ``store`` is answered
+``false`` and ``previous_response_id`` is refused. ``background``, reasoning and ``truncation:
+"auto"`` are refused, each with a 400 that names the field. ``tool_choice: "auto"`` needs a
+server started with a tool-call parser, as chat completions do.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -32,7 +34,8 @@ from specdec.serving.protocol import (
     GenerationFields,
     template_message,
 )
-from specdec.serving.responses_render import Reply, events
+from specdec.serving.responses_render import Reply, ResponseObject, events
+from specdec.serving.responses_store import ResponseStore
 from specdec.serving.routes import (
     auto_tools,
     check_model,
@@ -53,6 +56,9 @@ from specdec.serving.tools import (
     calls_schema,
     check_tool_choice,
 )
+
+if TYPE_CHECKING:
+    from specdec.serving.app import ServerState
 
 router = APIRouter()
 INPUT_ROLES = ("user", "assistant", "system", "developer")
@@ -108,7 +114,7 @@ class ResponsesRequest(GenerationFields, ChatTemplateFields, ToolChoiceRules):
         None,
         validate_default=True,  # checked when left out too: with tools it means "auto"
     )
-    previous_response_id: Any = None
+    previous_response_id: str | None = None  # continue a stored response's conversation
     background: Any = None
     reasoning: Any = None
     truncation: Any = None
@@ -117,7 +123,6 @@ class ResponsesRequest(GenerationFields, ChatTemplateFields, ToolChoiceRules):
         "n": (None, 1),  # one reply per response
         "prompt_logprobs": (None,),
         "return_tokens_as_token_ids": (None, False),
-        "previous_response_id": (None,),  # would need stored responses
         "background": (None, False),
         "reasoning": (None,),
         "truncation": (None, "disabled"),
@@ -257,11 +262,16 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
     if body.use_beam_search:
         message = "use_beam_search is not supported by the Responses API: use chat completions"
         raise APIError(400, message, param="use_beam_search")
+    if body.previous_response_id is not None:  # its conversation, then this input
+        earlier = stored_responses(state, "previous_response_id").get(
+            body.previous_response_id, "previous_response_id"
+        )
+        body.input = [*earlier.conversation, *body.input]
     names = auto_tools(state, body)
     text = await render_chat(state, body.conversation(), body.chat_options(), "input")
     prompt = await tokenize(state, text, body.longer_part())
     generation = make_generation(state, body, [prompt], "input")
-    reply = Reply(body, state.model_name, generation, names)
+    reply = Reply(body, state.model_name, generation, names, state.responses)
     return await respond(
         request,
         generation,
@@ -269,3 +279,28 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
         lambda: reply.response(finished=True),
         lambda: events(reply),
     )
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, request: Request) -> ResponseObject:
+    """A stored response, as it was given back."""
+    return stored_responses(server_state(request)).get(response_id).response
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+    """Forget a stored response (a conversation that continues it can no longer name it)."""
+    stored_responses(server_state(request)).delete(response_id)
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+def stored_responses(state: ServerState, param: str | None = None) -> ResponseStore:
+    """The server's store; 400 where it keeps none."""
+    if state.responses is None:
+        raise APIError(
+            400,
+            "this server stores no responses: start it with --responses-store N to keep the "
+            "last N, for previous_response_id and /v1/responses/{id}",
+            param=param,
+        )
+    return state.responses

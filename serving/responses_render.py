@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict
 
 from specdec.serving.generation import Generation
 from specdec.serving.responses import new_id, now_s
+from specdec.serving.responses_store import ResponseStore, output_messages
 from specdec.serving.tool_parsers import CallParser, CallStream, ParsedReply
 from specdec.serving.tools import tool_calls_of
 
@@ -75,9 +76,9 @@ class ResponseObject(BaseModel):
     model: str
     output: list[OutputMessage | FunctionCallItem]
     parallel_tool_calls: bool
-    previous_response_id: None = None
+    previous_response_id: str | None = None
     reasoning: None = None
-    store: bool = False
+    store: bool = False  # kept by the server (--responses-store; see responses_store.py)
     temperature: float
     text: dict[str, Any]
     tool_choice: Any
@@ -98,15 +99,25 @@ class Reply:
         model: str,
         generation: Generation,
         auto_tools: CallParser | None = None,  # "auto": the parser of the calls
+        store: ResponseStore | None = None,  # where the finished response is kept, if it is
     ):
         self.body, self.model, self.generation = body, model, generation
         self.auto_tools = auto_tools
+        self.store = store if body.store is not False else None
         self.id, self.message_id, self.created_at = new_id("resp"), new_id("msg"), now_s()
         # "auto", streamed: the text sent and the calls the stream's parser found
         self.streamed: ParsedReply | None = None
 
     def response(self, finished: bool) -> ResponseObject:
-        """The body: in progress with no output, or finished with its items and usage."""
+        """The body: in progress with no output, or finished with its items and usage (and
+        then kept in the store, where there is one)."""
+        response = self._response(finished)
+        if finished and self.store is not None:
+            conversation = [*self.body.input, *output_messages(response)]
+            self.store.put(response, conversation)
+        return response
+
+    def _response(self, finished: bool) -> ResponseObject:
         body, choice = self.body, self.generation.choices[0]
         incomplete = finished and choice.finish_reason == "length"
         status: Status = "incomplete" if incomplete else "completed"
@@ -118,6 +129,8 @@ class Reply:
             status=status if finished else "in_progress",
             incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
             instructions=body.instructions,
+            previous_response_id=body.previous_response_id,
+            store=self.store is not None,
             max_output_tokens=body.max_output_tokens,
             model=self.model,
             output=self.output(status) if finished else [],
