@@ -56,6 +56,10 @@ class ServerConfig:
     # the Responses API keeps this many finished responses (0: none), for previous_response_id
     # and GET/DELETE /v1/responses/{id} (see responses_store.py)
     responses_store: int = 0
+    # a Jinja chat template instead of the tokenizer's (vLLM's --chat-template), and whether a
+    # request may bring its own (--trust-request-chat-template)
+    chat_template: str | None = None
+    trust_request_chat_template: bool = False
 
     def __post_init__(self) -> None:
         names = ("max_concurrent", "max_body_bytes", "retry_after_s", "max_stop_chars")

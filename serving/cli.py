@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+from pathlib import Path
 
 import click
 import uvicorn
@@ -101,6 +102,16 @@ def _is_loopback(host: str) -> bool:
     help="Keep the last N responses of the Responses API in memory, for previous_response_id "
     "and GET/DELETE /v1/responses/{id} (0: none are stored).",
 )
+@click.option(
+    "--chat-template",
+    default=None,
+    help="A Jinja chat template (a file, or the template itself) instead of the tokenizer's.",
+)
+@click.option(
+    "--trust-request-chat-template",
+    is_flag=True,
+    help="Let a request bring its own chat_template (refused with 400 otherwise).",
+)
 @click.option("--served-model-name", default=None, help="Name clients send as `model`.")
 @click.option("--max-model-len", default=None, type=int, help="Longest prompt + output.")
 @click.option("--max-num-seqs", default=64, show_default=True, type=int, help="Batch size cap.")
@@ -176,6 +187,8 @@ def serve(
     openapi: bool,
     return_tokens_as_token_ids: bool,
     responses_store: int,
+    chat_template: str | None,
+    trust_request_chat_template: bool,
     served_model_name: str | None,
     max_model_len: int | None,
     max_num_seqs: int,
@@ -207,6 +220,8 @@ def serve(
             tool_call_parser=tool_call_parser,
             return_tokens_as_token_ids=return_tokens_as_token_ids,
             responses_store=responses_store,
+            chat_template=read_chat_template(chat_template),
+            trust_request_chat_template=trust_request_chat_template,
         )
         llm = LLM(
             model,
@@ -245,3 +260,18 @@ def serve(
 
 if __name__ == "__main__":
     serve()
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's text, or the template given inline (vLLM reads it the
+    same way); a value that is neither is a usage error."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{{" in value or "{%" in value:
+        return value
+    raise click.BadParameter(
+        f"{value!r} is neither a file nor a Jinja template", param_hint="--chat-template"
+    )

@@ -271,6 +271,9 @@ class ChatTemplateFields(StrictModel):
     add_generation_prompt: bool | None = None  # open the assistant's turn; None: true
     continue_final_message: bool | None = None  # or leave the final message open; None: false
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
+    # a Jinja template for this request (vLLM's extra): only on a server started with
+    # --trust-request-chat-template
+    chat_template: str | None = None
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -292,6 +295,7 @@ class ChatTemplateFields(StrictModel):
             add_generation_prompt=self.add_generation_prompt is not False,
             continue_final_message=bool(self.continue_final_message),
             chat_template_kwargs=self.chat_template_kwargs,
+            chat_template=self.chat_template,
         )
 
 

@@ -10,6 +10,7 @@ loop, and a prompt text too long to fit the context is refused before it is toke
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import TYPE_CHECKING
@@ -259,8 +260,18 @@ async def render_chat(
     options: ChatOptions,
     param: str = "messages",
 ) -> str:
-    """The conversation through the chat template, in a worker thread; 400 (naming ``param``)
-    if it refuses."""
+    """The conversation through the chat template (the request's own, where the server trusts
+    requests with one; else the server's), in a worker thread; 400 (naming ``param``) if it
+    refuses."""
+    if options.chat_template is not None and not state.config.trust_request_chat_template:
+        raise APIError(
+            400,
+            "this server takes no chat_template from requests: start it with "
+            "--trust-request-chat-template to allow them, or --chat-template to set one for all",
+            param="chat_template",
+        )
+    if options.chat_template is None and state.config.chat_template is not None:
+        options = dataclasses.replace(options, chat_template=state.config.chat_template)
     try:
         return await asyncio.to_thread(state.llm.render_chat, conversation, options)
     except (ValueError, jinja2.TemplateError) as e:

@@ -48,6 +48,7 @@ class ChatOptions:
     continue_final_message: bool = False  # or leave the final message open, to be continued
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
     tools: list[Any] | None = None  # functions the model may call (OpenAI's format)
+    chat_template: str | None = None  # a Jinja template instead of the tokenizer's own
 
 
 class LLM:
@@ -189,15 +190,18 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[Any] | None = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
-        """Generate a reply for each conversation, through the tokenizer's chat template (see
-        :meth:`render_chat` for the options; ``tools``: function definitions for templates that
-        render them, as vLLM's ``LLM.chat`` takes them)."""
+        """Generate a reply for each conversation, through the tokenizer's chat template, or
+        ``chat_template`` (a Jinja template) instead (see :meth:`render_chat` for the options;
+        ``tools``: function definitions for templates that render them, as vLLM's ``LLM.chat``
+        takes them)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item, arg-type]
         options = ChatOptions(
-            add_generation_prompt, continue_final_message, chat_template_kwargs, tools
-        )
+            add_generation_prompt, continue_final_message, chat_template_kwargs, tools,
+            chat_template,
+        )  # fmt: skip
         prompts = [self.render_chat(c, options) for c in conversations]  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
@@ -264,6 +268,7 @@ class LLM:
             add_generation_prompt=options.add_generation_prompt,
             continue_final_message=options.continue_final_message,
             tools=options.tools,
+            chat_template=options.chat_template,
             tokenize=False,
             **kwargs,
         )

@@ -208,6 +208,15 @@ def test_chat_applies_the_template(make_llm):
         llm.chat([[]], GREEDY)
 
 
+def test_chat_takes_a_template_of_its_own(make_llm):
+    """LLM.chat(chat_template=...), as vLLM's: that template instead of the tokenizer's."""
+    llm = make_llm()
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}>"
+    out = llm.chat([{"role": "user", "content": "hi"}], GREEDY, chat_template=template)[0]
+    assert llm.decode(out.prompt_token_ids) == "[user] hi>"
+    assert out.token_ids == llm.generate("[user] hi>", GREEDY)[0].token_ids
+
+
 def test_chat_can_continue_the_final_message_and_pass_template_variables(make_llm):
     llm = make_llm()
     started = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": '{"a":'}]

@@ -10,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import specdec
 from specdec import SamplingParams
+from specdec.serving import ServerConfig
 from tests.tiny import byte_tokenizer
 
 from .conftest import MODEL
@@ -403,3 +404,26 @@ def test_guided_regex_and_json_as_vllm_and_openai_take_them(served, offline):
     assert ended  # seeded: some samples end within 40 tokens, each a document the schema takes
     for choice in ended:  # "#": an EOS id of the tiny tokenizer
         assert isinstance(json.loads(choice.text.rstrip("#"))["n"], int)
+
+
+TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}>"
+
+
+def test_a_servers_chat_template_and_a_trusted_requests_own(make_server):
+    """--chat-template replaces the tokenizer's for every route that renders messages; a
+    request's own chat_template is refused unless the server trusts requests with one."""
+    plain = make_server()
+    messages = [{"role": "user", "content": "hi"}]
+    body = {"messages": messages, "max_tokens": 2}
+    refused = plain.post("/v1/chat/completions", json={**body, "chat_template": TEMPLATE})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"
+    config = ServerConfig(
+        served_model_name=MODEL, chat_template=TEMPLATE, trust_request_chat_template=True
+    )
+    templated = make_server(config)
+    tokens = templated.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    assert byte_tokenizer().decode(tokens) == "[user] hi\n>"
+    reply = templated.post("/v1/chat/completions", json=body).json()
+    assert reply["usage"]["prompt_tokens"] == len(tokens)
+    own = templated.post("/tokenize", json={"messages": messages, "chat_template": "{{ 'x' }}"})
+    assert byte_tokenizer().decode(own.json()["tokens"]) == "x"

@@ -103,6 +103,19 @@ def test_serve_passes_the_engine_sizes_on_under_vllms_names_too(captured_run):
     assert result.exit_code == 0 and captured_run["llm"][1]["num_kv_blocks"] == 12
 
 
+def test_serve_reads_a_chat_template_file_or_takes_it_inline(captured_run, tmp_path):
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    path = tmp_path / "template.jinja"
+    path.write_text(template)
+    for value in (str(path), template):
+        result = CliRunner().invoke(cli.serve, ["--chat-template", value])
+        assert result.exit_code == 0, result.output
+        config = captured_run["app"].state.server.config
+        assert config.chat_template == template and not config.trust_request_chat_template
+    bad = CliRunner().invoke(cli.serve, ["--chat-template", "no/such/file.jinja"])
+    assert bad.exit_code == 2 and "neither a file nor a Jinja template" in bad.output
+
+
 def test_serve_passes_the_draft_quantization_on(captured_run):
     from specdec.drafters import SpecConfig
 
