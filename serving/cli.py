@@ -258,10 +258,6 @@ def serve(
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
 
 
-if __name__ == "__main__":
-    serve()
-
-
 def read_chat_template(value: str | None) -> str | None:
     """``--chat-template``: a file's text, or the template given inline (vLLM reads it the
     same way); a value that is neither is a usage error."""
@@ -275,3 +271,7 @@ def read_chat_template(value: str | None) -> str | None:
     raise click.BadParameter(
         f"{value!r} is neither a file nor a Jinja template", param_hint="--chat-template"
     )
+
+
+if __name__ == "__main__":
+    serve()

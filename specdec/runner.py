@@ -20,7 +20,8 @@ import torch
 
 from specdec.attention import AttentionMetadata
 from specdec.cuda_graphs import CaptureError, StepGraphs
-from specdec.models.llama import AttentionProbe, LlamaForCausalLM
+from specdec.models.layer_outputs import AttentionProbe, forward_with_layers
+from specdec.models.llama import LlamaForCausalLM
 from specdec.outputs import TokenLogprobs
 from specdec.sampling import token_logprobs
 from specdec.scheduler import SchedulerOutput
@@ -56,7 +57,7 @@ class KeptLayers:
     """One sequence's per-layer outputs at ``n`` consecutive query positions of a step."""
 
     first: int  # the first position
-    states: torch.Tensor  # [layers + 1, n, hidden] (see LlamaForCausalLM.forward_with_layers)
+    states: torch.Tensor  # [layers + 1, n, hidden] (see models/layer_outputs.py)
     attentions: torch.Tensor | None  # [layers, heads, n, first + n] where asked for
 
 
@@ -272,7 +273,7 @@ class ModelRunner:
         self, out: SchedulerOutput, wanted: dict[int, tuple[int, int, int]]
     ) -> list[AttentionProbe]:
         """The attention probes of the sequences that ask for attentions, in ``wanted``'s
-        order (see :meth:`LlamaForCausalLM.forward_with_layers`)."""
+        order (see :mod:`specdec.models.layer_outputs`)."""
         probes, offset = [], 0
         for i, (row, n, first) in wanted.items():
             seq = out.seqs[i]
@@ -331,7 +332,7 @@ class ModelRunner:
         """Run ``chunks`` as one flat batch; return logits [M, V] float32, the hidden states
         at those rows [M, H] and at every token fed [N, H], and, for the flat ``layer_rows``,
         every layer's states [layers + 1, R, H] and the ``probes``' attention probabilities
-        (see ``forward_with_layers``; else None).
+        (see :func:`specdec.models.layer_outputs.forward_with_layers`; else None).
 
         ``M`` is the sum of the chunks' ``num_logit_rows``: each chunk's last rows, in order.
         Decodes and verifications replay a CUDA graph where the runner has them.
@@ -375,8 +376,8 @@ class ModelRunner:
             hidden = self.model(step[0], step[1], meta)
         else:
             kept = torch.tensor(layer_rows, dtype=torch.long, device=self.device)
-            hidden, states, probs = self.model.forward_with_layers(
-                step[0], step[1], meta, kept, probes
+            hidden, states, probs = forward_with_layers(
+                self.model, step[0], step[1], meta, kept, probes
             )
             layers = states, probs
         rows = hidden[rows_index]

@@ -123,16 +123,6 @@ class RotaryEmbedding(nn.Module):
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [N, D] each, in the model's dtype
 
 
-@dataclass(slots=True)
-class AttentionProbe:
-    """Rows of one sequence in a step whose attention probabilities are kept."""
-
-    rows: torch.Tensor  # [n] their flat rows in the step
-    kept: torch.Tensor  # [n] their indices among the rows whose states are kept
-    positions: torch.Tensor  # [n] their positions
-    key_slots: torch.Tensor  # [T] cache slots of the sequence's positions 0 .. T - 1
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelArchConfig):
         super().__init__()
@@ -166,25 +156,6 @@ class Attention(nn.Module):
         )
         out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj.forward(out.reshape(n, self.q_size))
-
-    def probabilities(
-        self,
-        h: torch.Tensor,  # [n, hidden] the layer's normed input at some positions of a sequence
-        rope: Rope,  # at those positions
-        positions: torch.Tensor,  # [n]
-        key_slots: torch.Tensor,  # [T] the cache slots of the sequence's positions 0 .. T - 1
-    ) -> torch.Tensor:  # [heads, n, T] float32, zero past each row's position
-        """The attention probabilities of those rows over the sequence's cached keys (written
-        by this step's forward): softmax of the scaled query-key products, causal."""
-        n = h.shape[0]
-        qkv = self.qkv_proj.forward(h)
-        cpu_ops.rope_(qkv, *rope, self.num_heads + self.num_kv_heads, self.head_dim)
-        q = qkv.view(n, -1, self.head_dim)[:, : self.num_heads].float()
-        keys = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)[key_slots].float()
-        keys = keys.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)  # [T, Hq, D]
-        scores = torch.einsum("nhd,thd->hnt", q, keys) * self.scale
-        future = torch.arange(len(key_slots), device=h.device)[None] > positions[:, None]
-        return scores.masked_fill_(future, float("-inf")).softmax(dim=-1)
 
 
 class MLP(nn.Module):
@@ -227,18 +198,6 @@ class DecoderLayer(nn.Module):
         h = self.post_attention_layernorm.forward(h, residual)
         return self.mlp.forward(h), residual
 
-    def probabilities(
-        self,
-        state: torch.Tensor,  # [n, hidden] the layer's input (before its norm) at the probe's rows
-        rope: Rope,  # the step's
-        probe: AttentionProbe,
-    ) -> torch.Tensor:  # [heads, n, T]
-        """The probe's attention probabilities in this layer, once the step's forward has
-        cached its keys."""
-        h = self.input_layernorm.forward(state)
-        rows_rope = (rope[0][probe.rows], rope[1][probe.rows])
-        return self.self_attn.probabilities(h, rows_rope, probe.positions, probe.key_slots)
-
 
 class LlamaForCausalLM(nn.Module):
     """A Llama-family decoder: ``forward`` gives hidden states, ``compute_logits`` the logits."""
@@ -271,33 +230,6 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             x, residual = layer.forward(x, residual, rope, meta)
         return self.norm.forward(x, residual)
-
-    def forward_with_layers(
-        self,
-        input_ids: torch.Tensor,  # [N]
-        positions: torch.Tensor,  # [N]
-        meta: AttentionMetadata,
-        rows: torch.Tensor,  # [R] the tokens whose states are kept
-        probes: list[AttentionProbe] | None = None,  # whose attention probabilities are kept
-    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        """:meth:`forward` on the Python layers (the bits the fused stack gives), also keeping
-        ``rows``' hidden states: [layers + 1, R, hidden], the embeddings, each layer's output but
-        the last, then the final norm's (transformers' ``output_hidden_states``); and per probe
-        its rows' attention probabilities, [layers, heads, n, T] (``output_attentions``)."""
-        x = self.embed_tokens(input_ids)
-        rope = self.rope(positions, x.dtype)
-        kept = [x[rows]]
-        attentions: list[list[torch.Tensor]] = [[] for _ in probes or ()]
-        residual = None
-        for i, layer in enumerate(self.layers):
-            x, residual = layer.forward(x, residual, rope, meta)  # its K now in the cache
-            for probe, probs in zip(probes or (), attentions):
-                probs.append(layer.probabilities(kept[i][probe.kept], rope, probe))  # type: ignore[operator]
-            if i + 1 < len(self.layers):
-                kept.append(x[rows] + residual[rows])  # the residual add is still to come
-        hidden = self.norm.forward(x, residual)
-        kept.append(hidden[rows])
-        return hidden, torch.stack(kept), [torch.stack(p) for p in attentions]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, hidden] -> [M, V]
         return self.lm_head(hidden)
