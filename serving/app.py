@@ -30,6 +30,7 @@ from specdec.serving.metrics import RequestCountMiddleware, ServerMetrics
 from specdec.serving.responses_api import router as responses_router
 from specdec.serving.responses_store import ResponseStore
 from specdec.serving.routes import router
+from specdec.serving.sagemaker import router as sagemaker_router
 from specdec.serving.tool_parsers import TOOL_CALL_PARSERS
 
 
@@ -137,12 +138,13 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     app.state.server = state
     app.include_router(router)
     app.include_router(responses_router)
+    app.include_router(sagemaker_router)
     install_error_handlers(app)
     # The last added is the outermost: count everything, answer unexpected errors, then check
     # the key, then the size.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     if config.api_key is not None:
-        protected = {"/openapi.json", "/tokenize", "/detokenize"}
+        protected = {"/openapi.json", "/tokenize", "/detokenize", "/invocations"}
         protected |= {"/metrics"} if config.metrics_require_key else set()
         app.add_middleware(
             ApiKeyMiddleware,
@@ -150,6 +152,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
             is_protected=lambda path: path.startswith("/v1/") or path in protected,
         )
     app.add_middleware(UnexpectedErrors)
-    routes = frozenset(getattr(r, "path", "") for r in (*router.routes, *responses_router.routes))
+    all_routes = (*router.routes, *responses_router.routes, *sagemaker_router.routes)
+    routes = frozenset(getattr(r, "path", "") for r in all_routes)
     app.add_middleware(RequestCountMiddleware, metrics=metrics, routes=routes)
     return app
