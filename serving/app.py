@@ -18,6 +18,7 @@ from fastapi import FastAPI
 
 from specdec.llm import LLM
 from specdec.serving.bridge import AsyncEngine
+from specdec.serving.embeddings import router as embeddings_router
 from specdec.serving.errors import UnexpectedErrors, install_error_handlers
 from specdec.serving.limits import (
     AdmissionGate,
@@ -139,6 +140,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     app.include_router(router)
     app.include_router(responses_router)
     app.include_router(sagemaker_router)
+    app.include_router(embeddings_router)
     install_error_handlers(app)
     # The last added is the outermost: count everything, answer unexpected errors, then check
     # the key, then the size.
@@ -152,7 +154,10 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
             is_protected=lambda path: path.startswith("/v1/") or path in protected,
         )
     app.add_middleware(UnexpectedErrors)
-    all_routes = (*router.routes, *responses_router.routes, *sagemaker_router.routes)
+    all_routes = (
+        *router.routes, *responses_router.routes, *sagemaker_router.routes,
+        *embeddings_router.routes,
+    )  # fmt: skip
     routes = frozenset(getattr(r, "path", "") for r in all_routes)
     app.add_middleware(RequestCountMiddleware, metrics=metrics, routes=routes)
     return app

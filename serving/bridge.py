@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from specdec.config import SamplingParams
 from specdec.engine import Engine
 from specdec.outputs import RequestOutput
+from specdec.pooling import PoolingParams
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class GenerationRequest:
     """One sequence to generate: the prompt, how to sample it, and per-request engine options."""
 
     prompt_token_ids: list[int]  # the prompt, tokenized
-    params: SamplingParams  # how to sample the continuation
+    params: SamplingParams | PoolingParams  # how to sample the continuation, or to pool
     num_speculative_tokens: int | None = None  # drafts per step (0: off); None: the engine's own
     priority: int = 0  # under the priority scheduling policy, lower first
 
@@ -161,7 +162,9 @@ class AsyncEngine:
         try:
             for request in command.requests:
                 params = request.params
-                if request.num_speculative_tokens is not None:  # this request's own cap
+                if request.num_speculative_tokens is not None and isinstance(
+                    params, SamplingParams
+                ):  # this request's own cap
                     params = replace(params, num_speculative_tokens=request.num_speculative_tokens)
                 ids.append(
                     self.engine.add_request(request.prompt_token_ids, params, request.priority)

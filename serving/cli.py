@@ -14,7 +14,7 @@ import click
 import uvicorn
 
 from specdec.cli_options import model_options, spec_config, speculation_options
-from specdec.engine_config import SCHEDULING_POLICIES
+from specdec.engine_config import POOLING_TYPES, SCHEDULING_POLICIES
 from specdec.serving.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
@@ -147,6 +147,14 @@ def _is_loopback(host: str) -> bool:
     "whom to preempt (vLLM's); fcfs: arrival order, and any priority but 0 is refused.",
 )
 @click.option(
+    "--pooling-type",
+    type=click.Choice(POOLING_TYPES),
+    default="last",
+    show_default=True,
+    help="How /v1/embeddings pools a prompt's final hidden states: the last token's, their "
+    "mean, or the first token's (vLLM's pooler_config pooling_type).",
+)
+@click.option(
     "--gpu-memory-utilization",
     default=0.9,
     show_default=True,
@@ -198,11 +206,13 @@ def serve(
     max_num_batched_tokens: int,
     enable_prefix_caching: bool,
     scheduling_policy: str,
+    pooling_type: str,
     gpu_memory_utilization: float,
     seed: int | None,
     log_level: str,
 ) -> None:
-    """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
+    """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
+    /v1/responses, /v1/embeddings)."""
     from specdec.llm import LLM
     from specdec.serving.app import ServerConfig, build_app
 
@@ -238,6 +248,7 @@ def serve(
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching,
             scheduling_policy=scheduling_policy,
+            pooling_type=pooling_type,
             gpu_memory_utilization=gpu_memory_utilization,
             seed=seed,
             speculative=spec_config(

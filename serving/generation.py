@@ -17,9 +17,11 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
+import torch
 from fastapi import Request
 from pydantic import BaseModel
 
+from specdec.config import SamplingParams
 from specdec.outputs import RequestOutput, TokenLogprobs
 from specdec.serving.bridge import EngineDeadError, GenerationRequest
 from specdec.serving.errors import APIError
@@ -46,6 +48,7 @@ class Choice:
     prompt_token_ids: list[int] = field(default_factory=list)  # the prompt, as tokens
     # per prompt token (the first None), when the request asked for them (completions' echo)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    embedding: torch.Tensor | None = None  # an embedding request's vector, once finished
 
 
 class Generation:
@@ -115,6 +118,8 @@ class Generation:
                 raise APIError(503, f"Generation failed: {item}", "server_error") from item
             i = self._index[item.request_id]
             self._trackers[i].observe(item)
+            if item.embedding is not None:
+                self.choices[i].embedding = item.embedding
             if self.discard_output:
                 logprobs: list[TokenLogprobs] | None = None if item.logprobs is None else []
                 item = dataclasses.replace(
@@ -154,6 +159,8 @@ class Generation:
         guides, seen = self.state.llm.engine.guides, set()
         for request in self.requests:
             params = request.params
+            if not isinstance(params, SamplingParams):  # an embedding: nothing to compile
+                continue
             key = (params.regex, str(params.json_schema))
             if (params.regex is not None or params.json_schema is not None) and key not in seen:
                 seen.add(key)

@@ -217,11 +217,11 @@ class CompletionRequest(GenerationFields):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_as_list(cls, value: Any) -> Any:
-        if isinstance(value, str) or (_is_token_ids(value) and value):
+        if isinstance(value, str) or (is_token_ids(value) and value):
             return [value]
         if isinstance(value, list) and not value:
             raise ValueError("must not be empty")
-        if isinstance(value, list) and all(isinstance(p, str) or _is_token_ids(p) for p in value):
+        if isinstance(value, list) and all(isinstance(p, str) or is_token_ids(p) for p in value):
             return value
         raise ValueError(
             "must be a string, a list of strings, a list of token ids or a list of token-id lists"
@@ -404,7 +404,7 @@ def template_message(message: ChatMessage) -> dict[str, Any]:
     return out
 
 
-def _is_token_ids(value: Any) -> bool:
+def is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and all(
         isinstance(t, int) and not isinstance(t, bool) for t in value
     )

@@ -6,6 +6,7 @@ from specdec.drafters.registry import SpecConfig
 from specdec.engine_config import EngineConfig
 from specdec.llm import LLM, ChatOptions
 from specdec.outputs import RequestOutput, TokenLogprobs
+from specdec.pooling import EmbeddingRequestOutput, PoolingParams
 from specdec.structured.params import StructuredOutputsParams
 from specdec.wrap import WrappedModel, wrap
 
@@ -14,7 +15,9 @@ __all__ = [
     "BeamSearchOutput",
     "BeamSearchParams",
     "ChatOptions",
+    "EmbeddingRequestOutput",
     "EngineConfig",
+    "PoolingParams",
     "RequestOutput",
     "SamplingParams",
     "SpecConfig",

@@ -24,8 +24,9 @@ from specdec.engine_config import EngineConfig
 from specdec.loader import LoadedCheckpoint, end_of_sequence_ids
 from specdec.models.llama import LlamaForCausalLM
 from specdec.outputs import RequestOutput, TokenLogprobs
-from specdec.runner import KeptLayers, ModelRunner, kv_block_bytes
-from specdec.scheduler import Scheduler
+from specdec.pooling import Pooler, PoolingParams
+from specdec.runner import KeptLayers, ModelRunner, StepResult, kv_block_bytes
+from specdec.scheduler import Scheduler, SchedulerOutput
 from specdec.sequence import Sequence
 from specdec.structured.guide import GuideFactory
 from specdec.verifier import Verifier
@@ -87,12 +88,21 @@ class Engine:
             self.drafter, self.policy = build_speculation(speculative, self, target)
 
     def add_request(
-        self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams | PoolingParams,
+        priority: int = 0,
     ) -> int:
         """Queue a request; bad prompts raise ``ValueError`` before anything is allocated.
+        ``params``: how to sample, or, as in vLLM, ``PoolingParams`` for an embedding request
+        (its final output carries the pooled prompt states, see :mod:`specdec.pooling`).
         ``priority``: under the ``"priority"`` scheduling policy, lower runs first (any integer;
         the ``"fcfs"`` policy takes 0 only, as vLLM's)."""
         check_priority(priority, self.scheduler.by_priority)
+        pooling = params if isinstance(params, PoolingParams) else None
+        if pooling is not None:
+            params = pooling.sampling_params()
+        assert isinstance(params, SamplingParams)
         if params.truncate_prompt_tokens is not None:  # the last k tokens
             keep = self.prompt_limit(params.truncate_prompt_tokens)
             prompt_token_ids = list(prompt_token_ids)[-keep:]
@@ -131,6 +141,9 @@ class Engine:
             priority=priority,
         )
         seq.guide = self.guides.for_params(params)
+        if pooling is not None:
+            normalize = pooling.normalize is not False
+            seq.pooler = Pooler(self.config.pooling_type, normalize, n)
         seq.bad_word_ids = bad_word_token_ids(self.tokenizer, params.bad_words or [])
         self.requests[seq.seq_id] = seq
         self.scheduler.add(seq)
@@ -169,8 +182,9 @@ class Engine:
             return []
         start = time.perf_counter()
         hidden = self.drafter is not None and self.drafter.needs_token_hidden_states
+        pools = any(seq.pooler is not None for seq in out.seqs)
         try:
-            res = self.runner.run(out, keep_token_hidden_states=hidden)
+            res = self.runner.run(out, keep_token_hidden_states=hidden or pools)
             if out.copies:  # and a drafter's own K/V by block (EAGLE's)
                 copy = getattr(self.drafter, "copy_blocks", None)
                 if copy is not None:
@@ -179,6 +193,8 @@ class Engine:
             self.scheduler.block_manager.release_copies(out.copies)
         for i, lps in res.prompt_logprobs.items():
             out.seqs[i].prompt_logprobs += lps
+        if pools:
+            take_pooled_states(out, res)
         verification = self.verifier.verify(out, res)
         if self.policy is not None and out.total_tokens == len(res.logits):  # decode/verify only
             padded = len(out.seqs) * max(out.num_scheduled_tokens)  # attention pads to this
@@ -234,7 +250,12 @@ class Engine:
         if seq.params.prompt_logprobs is not None and seq.num_returned_tokens == 0:
             prompt_logprobs = [None, *seq.prompt_logprobs]  # the first delta carries them
         new_tokens = seq.output_token_ids[seq.num_returned_tokens :]
+        if seq.pooler is not None:  # an embedding: the token sampled after its prompt is dropped
+            new_tokens = []
         hidden, attentions = _take_layer_outputs(seq) if seq.params.keeps_layers else (None, None)
+        embedding = None
+        if seq.pooler is not None and seq.is_finished and seq.pooler.done:
+            embedding = seq.pooler.result()
         seq.num_returned_tokens = seq.num_output_tokens
         if seq.is_finished:
             self.requests.pop(seq.seq_id, None)
@@ -251,6 +272,7 @@ class Engine:
             prompt_logprobs,
             hidden_states=hidden,
             attentions=attentions,
+            embedding=embedding,
         )
 
 
@@ -263,6 +285,16 @@ def check_priority(priority: Any, by_priority: bool) -> None:  # noqa: ANN401
             f"got priority {priority}, but the engine schedules first come first served: build "
             "it with scheduling_policy='priority' (specdec serve --scheduling-policy priority)"
         )
+
+
+def take_pooled_states(out: SchedulerOutput, res: StepResult) -> None:
+    """Hand each pooling sequence of the step its query positions' final states."""
+    assert res.token_hidden_states is not None
+    row = 0
+    for seq, n in zip(out.seqs, out.num_scheduled_tokens):
+        if seq.pooler is not None:
+            seq.pooler.take(res.token_hidden_states[row : row + n], seq.num_computed_tokens)
+        row += n
 
 
 def keep_layer_outputs(seq: Sequence, kept: KeptLayers) -> None:

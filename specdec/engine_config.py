@@ -13,6 +13,7 @@ import torch
 from specdec.config import _check
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+POOLING_TYPES = ("last", "mean", "cls")  # see specdec.pooling
 
 
 @dataclass(slots=True)
@@ -42,6 +43,9 @@ class EngineConfig:
     # "priority": by each request's priority (lower first), then arrival, and the running one
     # last in that order is preempted first (vLLM's scheduling_policy)
     scheduling_policy: str = "fcfs"
+    # how an embedding request's prompt states are pooled (see specdec.pooling): "last" (vLLM's
+    # default for a decoder-only model), "mean" or "cls" (vLLM's pooler_config pooling_type)
+    pooling_type: str = "last"
 
     def __post_init__(self) -> None:
         _check(self.block_size > 0, f"block_size must be positive, got {self.block_size}")
@@ -74,6 +78,10 @@ class EngineConfig:
             self.scheduling_policy in SCHEDULING_POLICIES,
             f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got "
             f"{self.scheduling_policy!r}",
+        )
+        _check(
+            self.pooling_type in POOLING_TYPES,
+            f"pooling_type must be one of {POOLING_TYPES}, got {self.pooling_type!r}",
         )
         resolve_device(self.device)  # a bad name fails here, where it was written
 

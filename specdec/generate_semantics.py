@@ -20,9 +20,9 @@ from transformers.generation.logits_process import LogitsProcessor
 
 from specdec.beam_search import check_early_stopping
 from specdec.config import SamplingParams
-from specdec.llm import LLM, merge_delta
+from specdec.llm import LLM
 from specdec.loader import eos_ids_of
-from specdec.outputs import RequestOutput
+from specdec.outputs import RequestOutput, merge_delta
 from specdec.token_rules import (
     apply_logits_processors,
     apply_penalties,

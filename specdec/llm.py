@@ -7,10 +7,9 @@ import dataclasses
 import inspect
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
@@ -28,11 +27,10 @@ from specdec.loader import (
 )
 from specdec.models.llama import LlamaForCausalLM
 from specdec.models.quant import check_quantization
-from specdec.outputs import RequestOutput
+from specdec.outputs import RequestOutput, merge_delta
+from specdec.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
+from specdec.prompt_inputs import Prompt, as_prompt_list, dict_prompt, priorities_for, to_token_ids
 
-# Raw text, token ids, or vLLM's prompt dictionaries: {"prompt": text} (TextPrompt) or
-# {"prompt_token_ids": ids} (TokensPrompt)
-Prompt = str | list[int] | dict[str, Any]
 Conversation = list[dict[str, str]]
 # apply_chat_template's own arguments, which template variables must not override
 CHAT_TEMPLATE_ARGUMENTS = frozenset(
@@ -146,39 +144,90 @@ class LLM:
         finished requests, as vLLM's does. With ``n > 1`` a prompt's output holds its first
         completion and ``more_completions`` the rest (``outputs`` lists them all).
         ``priority``: one per prompt, lower first, under ``scheduling_policy="priority"``."""
-        prompt_list: list[Prompt] = (
-            [prompts] if _is_single(prompts) else list(prompts)  # type: ignore[list-item, arg-type]
-        )
+        prompt_list = as_prompt_list(prompts)
         param_list = self._params_for(sampling_params, len(prompt_list))
-        priorities = [0] * len(prompt_list) if priority is None else list(priority)
-        if len(priorities) != len(prompt_list):
-            raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
-        ids: list[list[int]] = []  # per prompt, its completions' request ids
+        jobs: list[Job] = []
+        for prompt, sp, rank in zip(prompt_list, param_list, priorities_for(priority, prompt_list)):
+            text, ids = self._text_and_ids(prompt)
+            jobs += [Job(ids, _completion(sp, choice), rank, text) for choice in range(sp.n)]
+        outputs = iter(self._run(jobs, use_tqdm))
+        firsts = []
+        for sp in param_list:  # a prompt's completions are consecutive
+            firsts.append(next(outputs))
+            firsts[-1].more_completions = [next(outputs) for _ in range(sp.n - 1)]
+        return firsts
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+        priority: Sequence[int] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding: its final hidden states pooled as the engine's
+        ``pooling_type`` says (the last token's by default) and, unless ``normalize=False``,
+        scaled to unit length (vLLM's ``LLM.embed``; see :mod:`specdec.pooling`).
+        ``truncate_prompt_tokens`` keeps each prompt's last k tokens (-1: as many as fit)."""
+        prompt_list = as_prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling_list = [pooling_params or PoolingParams()] * len(prompt_list)
+        elif len(pooling_params) != len(prompt_list):
+            raise ValueError(
+                f"got {len(pooling_params)} PoolingParams for {len(prompt_list)} prompts"
+            )
+        else:
+            pooling_list = list(pooling_params)
+        if truncate_prompt_tokens is not None:
+            pooling_list = [
+                replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in pooling_list
+            ]
+        jobs = []
+        for prompt, pp, rank in zip(
+            prompt_list, pooling_list, priorities_for(priority, prompt_list)
+        ):
+            text, ids = self._text_and_ids(prompt)
+            jobs.append(Job(ids, pp, rank, text))
+        return [
+            EmbeddingRequestOutput(
+                out.request_id,
+                out.prompt_token_ids,
+                EmbeddingOutput(out.embedding.tolist()),  # type: ignore[union-attr]
+                prompt=out.prompt,
+            )
+            for out in self._run(jobs, use_tqdm)
+        ]
+
+    def _run(self, jobs: list[Job], use_tqdm: bool) -> list[RequestOutput]:
+        """Add ``jobs`` to the engine and step until they have finished; their outputs, in
+        order. ``use_tqdm`` shows a progress bar of finished requests, as vLLM's does."""
         results: dict[int, RequestOutput] = {}
-        progress = tqdm(total=sum(p.n for p in param_list), disable=not use_tqdm)
+        progress = tqdm(total=len(jobs), disable=not use_tqdm)
         try:  # on any error (a bad prompt, Ctrl-C), abort what was queued: nothing is left behind
-            for prompt, sp, rank in zip(prompt_list, param_list, priorities, strict=True):
-                ids.append([])
-                if isinstance(prompt, dict):
-                    prompt = _dict_prompt(prompt)
-                text, token_ids = prompt if isinstance(prompt, str) else None, self.encode(prompt)
-                for choice in range(sp.n):
-                    completion = _completion(sp, choice)
-                    ids[-1].append(self.engine.add_request(token_ids, completion, rank))
-                    results[ids[-1][-1]] = RequestOutput(ids[-1][-1], token_ids, prompt=text)
-            while self.engine.has_unfinished():
+            for job in jobs:
+                request_id = self.engine.add_request(job.token_ids, job.params, job.priority)
+                results[request_id] = RequestOutput(request_id, job.token_ids, prompt=job.text)
+            unfinished = len(results)
+            while unfinished and self.engine.has_unfinished():  # others' requests advance too
                 for delta in self.engine.step():
-                    merge_delta(results[delta.request_id], delta)
-                    progress.update(int(delta.finished))
+                    if delta.request_id in results:
+                        merge_delta(results[delta.request_id], delta)
+                        progress.update(int(delta.finished))
+                        unfinished -= int(delta.finished)
         except BaseException:
-            for i in results:
-                self.engine.abort(i)
+            for request_id in results:
+                self.engine.abort(request_id)
             raise
         finally:
             progress.close()
-        for choices in ids:
-            results[choices[0]].more_completions = [results[i] for i in choices[1:]]
-        return [results[choices[0]] for choices in ids]
+        return list(results.values())
+
+    def _text_and_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """A prompt's text (where given as text) and token ids."""
+        if isinstance(prompt, dict):
+            prompt = dict_prompt(prompt)
+        return (prompt if isinstance(prompt, str) else None), self.encode(prompt)
 
     def chat(
         self,
@@ -210,10 +259,7 @@ class LLM:
     ) -> list[BeamSearchOutput]:
         """Each prompt's ``params.beam_width`` best continuations by beam search (vLLM's
         ``LLM.beam_search``; see :mod:`specdec.beam_search`), best first."""
-        prompt_list: list[Prompt] = (
-            [prompts] if _is_single(prompts) else list(prompts)  # type: ignore[list-item, arg-type]
-        )
-        encoded = [self.encode(p) for p in prompt_list]
+        encoded = [self.encode(p) for p in as_prompt_list(prompts)]
         return beam_search(self, encoded, params)
 
     def stream(
@@ -283,10 +329,10 @@ class LLM:
         """The token ids of ``prompt`` (text is tokenized without special tokens); anything
         that is not a :data:`Prompt` raises a TypeError that says what was given."""
         if isinstance(prompt, dict):
-            prompt = _dict_prompt(prompt)
+            prompt = dict_prompt(prompt)
         if isinstance(prompt, str):
             return list(self.tokenizer.encode(prompt, add_special_tokens=False))
-        return _token_ids(prompt)
+        return to_token_ids(prompt)
 
     def decode(self, token_ids: list[int]) -> str:
         """The text of ``token_ids``, special tokens kept (the inverse of :meth:`encode`)."""
@@ -319,12 +365,15 @@ def engine_config(options: dict[str, Any]) -> EngineConfig:
     return EngineConfig(**options)
 
 
-def _is_single(prompts: Any) -> bool:
-    if isinstance(prompts, torch.Tensor | np.ndarray):
-        return prompts.ndim == 1
-    return isinstance(prompts, str | dict) or (
-        isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int | np.integer)
-    )
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One request for :meth:`LLM._run` to add: its prompt, how to sample it (or, for an
+    embedding, to pool it), its priority, and its text where given as text."""
+
+    token_ids: list[int]
+    params: SamplingParams | PoolingParams
+    priority: int = 0
+    text: str | None = None
 
 
 def _completion(params: SamplingParams, choice: int) -> SamplingParams:
@@ -335,60 +384,3 @@ def _completion(params: SamplingParams, choice: int) -> SamplingParams:
     one = copy.copy(params)
     one.n, one.seed = 1, choice_seed(params.seed, choice)
     return one
-
-
-def _dict_prompt(prompt: dict[str, Any]) -> str | list[int]:
-    """The text or token ids of vLLM's ``TextPrompt`` / ``TokensPrompt`` dictionaries."""
-    keys = set(prompt)
-    if keys == {"prompt"} and isinstance(prompt["prompt"], str):
-        return str(prompt["prompt"])
-    if keys == {"prompt_token_ids"}:
-        return _token_ids(prompt["prompt_token_ids"])
-    raise TypeError(
-        'a prompt dictionary takes one key, "prompt" (text) or "prompt_token_ids" (token ids); '
-        f"got keys {', '.join(sorted(map(repr, keys)))}"
-    )
-
-
-def _token_ids(prompt: Any) -> list[int]:
-    """``prompt`` as a list of Python ints, from a sequence (or 1-D array) of integers."""
-    if isinstance(prompt, torch.Tensor | np.ndarray):
-        if prompt.ndim != 1:
-            raise TypeError(f"token ids must be 1-D, got an array of shape {tuple(prompt.shape)}")
-        prompt = prompt.tolist()
-    if not isinstance(prompt, Sequence) or isinstance(prompt, bytes):
-        raise TypeError(
-            "a prompt is text, a list of token ids or a dict with 'prompt' or "
-            f"'prompt_token_ids', not {type(prompt).__name__}"
-        )
-    ids = list(prompt)
-    for t in ids:
-        if isinstance(t, bool) or not isinstance(t, int | np.integer):
-            raise TypeError(f"token ids must be integers, got {type(t).__name__} ({t!r})")
-    return [int(t) for t in ids]
-
-
-def merge_delta(total: RequestOutput, delta: RequestOutput) -> None:
-    total.prompt_token_ids = delta.prompt_token_ids  # the engine's: truncated, where asked
-    total.token_ids += delta.token_ids
-    total.text += delta.text
-    if delta.logits is not None:
-        parts = [delta.logits] if total.logits is None else [total.logits, delta.logits]
-        total.logits = torch.cat(parts)
-    if delta.hidden_states is not None:
-        states = delta.hidden_states
-        if total.hidden_states is not None:
-            states = torch.cat([total.hidden_states, states], dim=1)
-        total.hidden_states = states
-    if delta.attentions is not None:
-        total.attentions = [*(total.attentions or []), *delta.attentions]
-    if delta.logprobs is not None:
-        total.logprobs = total.logprobs if total.logprobs is not None else []
-        total.logprobs.extend(delta.logprobs)
-    if delta.prompt_logprobs is not None:
-        total.prompt_logprobs = delta.prompt_logprobs
-    total.finished, total.finish_reason, total.metrics = (
-        delta.finished,
-        delta.finish_reason,
-        delta.metrics,
-    )

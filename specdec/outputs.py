@@ -53,6 +53,8 @@ class RequestOutput:
     # with SamplingParams.return_attentions, else None: per position of hidden_states' (p), each
     # layer's attention probabilities over positions 0..p, [layers, heads, p + 1] float32
     attentions: list[torch.Tensor] | None = None
+    # an embedding request's pooled vector [hidden] float32, in its final output; else None
+    embedding: torch.Tensor | None = None
     prompt: str | None = None  # the prompt's text where it was given as text (LLM.generate)
     # LLM.generate with SamplingParams.n > 1: completions 2..n of the prompt (this is the first)
     more_completions: list[RequestOutput] = field(default_factory=list)
@@ -67,3 +69,32 @@ class RequestOutput:
     def cumulative_logprob(self) -> float | None:
         """The generated tokens' summed log-probability, when ``logprobs`` were asked for."""
         return None if self.logprobs is None else sum(t.logprob for t in self.logprobs)
+
+
+def merge_delta(total: RequestOutput, delta: RequestOutput) -> None:
+    """Add a streamed delta to the request's whole output so far (``LLM.generate``'s)."""
+    total.prompt_token_ids = delta.prompt_token_ids  # the engine's: truncated, where asked
+    total.token_ids += delta.token_ids
+    total.text += delta.text
+    if delta.logits is not None:
+        parts = [delta.logits] if total.logits is None else [total.logits, delta.logits]
+        total.logits = torch.cat(parts)
+    if delta.hidden_states is not None:
+        states = delta.hidden_states
+        if total.hidden_states is not None:
+            states = torch.cat([total.hidden_states, states], dim=1)
+        total.hidden_states = states
+    if delta.attentions is not None:
+        total.attentions = [*(total.attentions or []), *delta.attentions]
+    if delta.embedding is not None:
+        total.embedding = delta.embedding
+    if delta.logprobs is not None:
+        total.logprobs = total.logprobs if total.logprobs is not None else []
+        total.logprobs.extend(delta.logprobs)
+    if delta.prompt_logprobs is not None:
+        total.prompt_logprobs = delta.prompt_logprobs
+    total.finished, total.finish_reason, total.metrics = (
+        delta.finished,
+        delta.finish_reason,
+        delta.metrics,
+    )

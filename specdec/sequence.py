@@ -28,6 +28,7 @@ from specdec.config import SamplingParams
 
 if TYPE_CHECKING:
     from specdec.outputs import TokenLogprobs
+    from specdec.pooling import Pooler
     from specdec.structured.guide import Guide
 
 
@@ -100,6 +101,8 @@ class Sequence:
     # long Python list converts the list each time)
     allowed_ids: torch.Tensor | None = field(default=None, init=False)
     priority: int = 0  # with the "priority" scheduling policy: lower runs first
+    # an embedding request's pooler (LLM.embed, /v1/embeddings): its prompt's final states pooled
+    pooler: Pooler | None = None
     seed: int = field(init=False)  # noise seed: params.seed, else drawn at creation
     seeds: InitVar[torch.Generator | None] = None  # where an unseeded seed is drawn; None: global
 
@@ -144,7 +147,10 @@ class Sequence:
     @property
     def needs_every_position(self) -> bool:
         """Whether each position must be computed, none taken from the prefix cache."""
-        return self.needs_prompt_logprobs or self.needs_layer_outputs
+        pools = (
+            self.pooler is not None and self.pooler.reads_every_position and not self.pooler.done
+        )
+        return self.needs_prompt_logprobs or self.needs_layer_outputs or pools
 
     def allowed_tokens(self, drafts: int) -> list[int] | torch.Tensor | None:
         """With a guide: the tokens that may follow the output and the first ``drafts`` drafts

@@ -55,10 +55,10 @@ from specdec.beam_search import Search
 from specdec.beam_search import run as run_search
 from specdec.config import SamplingParams
 from specdec.drafters.registry import SpecConfig
-from specdec.llm import LLM, merge_delta
+from specdec.llm import LLM
 from specdec.loader import check_architecture, load_checkpoint
 from specdec.models.llama import LlamaForCausalLM, rows_adjacent
-from specdec.outputs import RequestOutput
+from specdec.outputs import RequestOutput, merge_delta
 
 MAX_ENGINES = 4  # engines (one per drafter asked for) kept across calls
 

@@ -92,6 +92,22 @@ def test_greedy_matches_transformers(hf_model, reference, name):
         assert llm.engine.verifier.stats.num_draft_tokens > 0
 
 
+def test_embeddings_are_transformers_last_states(hf_model):
+    """The default model's embeddings (float32, last-token pooling): transformers' final-norm
+    state at each prompt's last token, scaled to unit length, for prompts embedded together."""
+    llm = LLM(num_kv_blocks=64, max_num_batched_tokens=32)
+    outputs = llm.embed(QUESTIONS)
+    for question, out in zip(QUESTIONS, outputs, strict=True):
+        with torch.no_grad():
+            ids = torch.tensor([out.prompt_token_ids])
+            state = hf_model(ids, output_hidden_states=True).hidden_states[-1][0, -1]
+        expected = torch.nn.functional.normalize(state, dim=0)
+        torch.testing.assert_close(
+            torch.tensor(out.outputs.embedding), expected, atol=2e-5, rtol=1e-4
+        )
+        assert out.prompt == question
+
+
 def test_cli_generate_prints_completions():
     result = CliRunner().invoke(main, ["generate", "--max-tokens", "12", "What is 2+2?"])
     assert result.exit_code == 0, result.output

@@ -58,7 +58,7 @@ from specdec.eval.bench.systems import (
 )
 from specdec.eval.questions import DEFAULT_DATASET, by_category, read_questions
 
-MODES = ("offline", "load", "runtime", "kernels", "wrap", "quant")
+MODES = ("offline", "load", "runtime", "kernels", "wrap", "quant", "embed")
 RATE_MULTIPLIERS = (0.5, 1.0, 2.0, 4.0)  # of one stream's request rate, when no rates are given
 QUICK_RATE_MULTIPLIERS = (1.0, 4.0)
 
@@ -176,24 +176,27 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             from specdec.eval.bench.attention import run_attention
 
             result["attention"] = run_attention(repeats=2 if cfg.quick else 5, quick=cfg.quick)
+    every = by_category(questions)  # categories in turn, first turns only
+    firsts = [qs[i] for i in range(len(questions)) for qs in every.values() if i < len(qs)]
     if "wrap" in cfg.modes:
         from specdec.eval.bench.wrap import run_wrap
 
-        every = by_category(questions)  # categories in turn, first turns only
-        firsts = [
-            qs[i].conversation()
-            for i in range(len(questions))
-            for qs in every.values()
-            if i < len(qs)
-        ]
         result["wrap"] = run_wrap(
-            firsts[: 8 if cfg.quick else 16],
+            [q.conversation() for q in firsts[: 8 if cfg.quick else 16]],
             cfg.max_new_tokens or 64,
             cfg.draft_model,
             rounds=1 if cfg.quick else 2,
         )
     if "quant" in cfg.modes:
         result["quant"] = _quant_mode(cfg, groups, result["notes"])
+    if "embed" in cfg.modes:
+        from specdec.eval.bench.embed import run_embed
+
+        texts = [q.turns[0] for q in firsts[: 16 if cfg.quick else 64]]
+        result["embed"] = run_embed(
+            texts, cfg.dtype, 1 if cfg.quick else 2, cfg.model, cfg.tokenizer,
+            **cfg.engine_options,
+        )  # fmt: skip
     result["failed"] = bool(result.get("offline", {}).get("mismatches"))
     (out / "bench.json").write_text(json.dumps(result, indent=2, default=str), encoding="utf-8")
     (out / "bench.md").write_text(report.markdown(result), encoding="utf-8")

@@ -162,6 +162,10 @@ def markdown(result: dict[str, Any]) -> str:
         from specdec.eval.bench.wrap import markdown as wrap_markdown
 
         parts += ["## specdec.wrap against transformers generate\n", wrap_markdown(result["wrap"])]
+    if "embed" in result:
+        from specdec.eval.bench.embed import markdown as embed_markdown
+
+        parts += ["## LLM.embed against transformers\n", embed_markdown(result["embed"])]
     if result.get("quant"):
         from specdec.eval.bench.quant import markdown as quant_markdown
 

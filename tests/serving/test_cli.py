@@ -66,6 +66,7 @@ def test_serve_binds_loopback_and_takes_the_api_key_from_the_environment(capture
             "max_num_batched_tokens": 1024,
             "enable_prefix_caching": True,
             "scheduling_policy": "fcfs",
+            "pooling_type": "last",
             "gpu_memory_utilization": 0.5,
             "seed": 11,
             "speculative": None,
@@ -89,6 +90,14 @@ def test_serve_passes_the_scheduling_policy_on(captured_run):
     assert captured_run["llm"][1]["scheduling_policy"] == "priority"
     bad = CliRunner().invoke(cli.serve, ["--scheduling-policy", "lifo"])
     assert bad.exit_code == 2 and "'lifo' is not one of 'fcfs', 'priority'" in bad.output
+
+
+def test_serve_passes_the_pooling_type_on(captured_run):
+    result = CliRunner().invoke(cli.serve, ["--pooling-type", "mean"])
+    assert result.exit_code == 0, result.output
+    assert captured_run["llm"][1]["pooling_type"] == "mean"
+    bad = CliRunner().invoke(cli.serve, ["--pooling-type", "max"])
+    assert bad.exit_code == 2 and "'max' is not one of 'last', 'mean', 'cls'" in bad.output
 
 
 def test_serve_passes_the_engine_sizes_on_under_vllms_names_too(captured_run):

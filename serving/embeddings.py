@@ -1,0 +1,149 @@
+"""``POST /v1/embeddings``: OpenAI's embeddings API (and vLLM's extra fields) on the served model.
+
+Each input is tokenized as completions' prompts are and runs on the engine as an embedding
+request (:mod:`specdec.pooling`): admitted by the same gate, batched beside generation, aborted
+when the client leaves. The vectors are the final norm's states pooled by the server's
+``--pooling-type`` (the last token's by default) and, unless the request sets ``normalize`` to
+false, scaled to unit length. ``encoding_format: "base64"`` sends each vector as the base64 of
+its little-endian float32 bytes, as OpenAI's client expects.
+"""
+
+from __future__ import annotations
+
+import base64
+from functools import partial
+from typing import Any, Literal
+
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, Field, field_validator
+
+from specdec.pooling import PoolingParams
+from specdec.serving.bridge import GenerationRequest
+from specdec.serving.errors import APIError
+from specdec.serving.generation import Generation
+from specdec.serving.protocol import is_token_ids
+from specdec.serving.responses import new_id, now_s
+from specdec.serving.routes import check_model, respond, server_state, tokenize
+from specdec.serving.strict import StrictModel
+
+router = APIRouter()
+
+
+class EmbeddingRequest(StrictModel):
+    """``POST /v1/embeddings``: one vector per input."""
+
+    model: str | None = None
+    input: list[str | list[int]]  # a string, a list of strings, token ids or token-id lists
+    encoding_format: Literal["float", "base64"] | None = None  # None: "float"
+    dimensions: int | None = None  # Matryoshka truncation: refused (no model here has it)
+    user: str | None = None  # OpenAI's end-user id: accepted, not used
+    # extra (vLLM's): keep each input's last k tokens (-1: as many as fit the context)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, lt=2**31)
+    normalize: bool | None = None  # extra (vLLM's): None or true scales to unit length
+    priority: int = Field(0, ge=-(2**63), lt=2**63)  # extra (vLLM's): lower first
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input_as_list(cls, value: Any) -> Any:  # noqa: ANN401
+        if isinstance(value, str) or (is_token_ids(value) and value):
+            value = [value]
+        if isinstance(value, list) and value and all(_one_input(p) for p in value):
+            return value
+        raise ValueError(
+            "must be a non-empty string, a list of them, a list of token ids or a list of "
+            "token-id lists (none empty)"
+        )
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _not_zero(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("must be -1 (as many as fit) or a positive number of tokens")
+        return value
+
+
+def _one_input(value: Any) -> bool:  # noqa: ANN401
+    """Whether ``value`` is one input: a non-empty text or a non-empty list of token ids."""
+    return (isinstance(value, str) or is_token_ids(value)) and len(value) > 0
+
+
+class EmbeddingData(BaseModel):
+    index: int  # the input's position in the request
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str  # the vector, or its float32 bytes in base64
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
+
+
+@router.post("/v1/embeddings")
+async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+    state = server_state(request)
+    check_model(state, body.model)
+    if body.dimensions is not None:
+        raise APIError(
+            400,
+            f"dimensions={body.dimensions}: this model was not trained for Matryoshka "
+            "embeddings, so its vectors cannot be shortened; leave dimensions unset",
+            param="dimensions",
+        )
+    if body.priority and not state.llm.engine.scheduler.by_priority:
+        raise APIError(
+            400,
+            f"priority {body.priority} needs priority scheduling: the server was started without "
+            "--scheduling-policy priority, so every request must have priority 0",
+            param="priority",
+        )
+    if len(body.input) > state.gate.max_running:
+        raise APIError(
+            400,
+            f"this request has {len(body.input)} inputs, but the server runs at most "
+            f"{state.gate.max_running} sequences at once: send fewer inputs per request",
+            param="input",
+        )
+    pooling = PoolingParams(normalize=body.normalize)  # the prompts are truncated here
+    truncate = body.truncate_prompt_tokens
+    prompts = [await tokenize(state, text, "input", truncate) for text in body.input]
+    requests = [GenerationRequest(ids, pooling, priority=body.priority) for ids in prompts]
+    generation = Generation(state, requests, sum(len(p) for p in prompts), "input", True)
+    full = partial(_response, generation, state.model_name, body.encoding_format == "base64")
+    return await respond(request, generation, False, full, _no_chunks)
+
+
+def _response(generation: Generation, model: str, as_base64: bool) -> EmbeddingResponse:
+    data = []
+    for i, choice in enumerate(generation.choices):
+        assert choice.embedding is not None
+        vector = choice.embedding.numpy()
+        encoded: list[float] | str = (
+            base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+            if as_base64
+            else vector.astype(np.float64).tolist()
+        )
+        data.append(EmbeddingData(index=i, embedding=encoded))
+    tokens = generation.num_prompt_tokens
+    return EmbeddingResponse(
+        id=new_id("embd"),
+        created=now_s(),
+        model=model,
+        data=data,
+        usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens),
+    )
+
+
+async def _no_chunks() -> Any:  # noqa: ANN401 - embeddings are never streamed
+    raise AssertionError("embeddings are not streamed")
+    yield  # pragma: no cover
