@@ -126,6 +126,7 @@ class LLM:
         self.tokenizer = checkpoint.tokenizer
         max_model_len = config.max_model_len or checkpoint.config.max_position_embeddings
         self.spec_config = SpecConfig.coerce(speculative)
+        self._streams: dict[int, list[RequestOutput]] = {}  # open streams' undelivered deltas
         self.engine = Engine(
             model, self.tokenizer, config, dtype, max_model_len, self.spec_config, checkpoint
         )
@@ -209,8 +210,8 @@ class LLM:
                 request_id = self.engine.add_request(job.token_ids, job.params, job.priority)
                 results[request_id] = RequestOutput(request_id, job.token_ids, prompt=job.text)
             unfinished = len(results)
-            while unfinished and self.engine.has_unfinished():  # others' requests advance too
-                for delta in self.engine.step():
+            while unfinished and self.engine.has_unfinished():  # open streams advance too
+                for delta in self._step():
                     if delta.request_id in results:
                         merge_delta(results[delta.request_id], delta)
                         progress.update(int(delta.finished))
@@ -267,20 +268,35 @@ class LLM:
     ) -> Iterator[RequestOutput]:
         """Yield deltas (new tokens and text) of one request as they are produced.
 
-        Other requests already queued on the engine advance in the same steps. Closing the
-        iterator early aborts the request and frees its KV blocks.
+        Other requests already queued on the engine advance in the same steps; streams may be
+        read in turns, and beside ``generate`` or ``embed`` calls, none losing a delta. Closing
+        the iterator early aborts the request and frees its KV blocks.
         """
         params = sampling_params or SamplingParams()
         if params.n != 1:
             raise ValueError(f"stream gives one completion: n must be 1, got {params.n}")
         request_id = self._add(prompt, params)
+        queued = self._streams[request_id] = []
         try:
-            while request_id in self.engine.requests:
-                for delta in self.engine.step():
-                    if delta.request_id == request_id:
-                        yield delta
+            while queued or self.engine.has_unfinished():
+                while queued:
+                    delta = queued.pop(0)
+                    yield delta
+                    if delta.finished:
+                        return
+                self._step()  # this stream's deltas land in queued
         finally:
+            del self._streams[request_id]
             self.engine.abort(request_id)
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step: the deltas of open streams are queued for them (whichever call
+        steps the engine), the others returned."""
+        others: list[RequestOutput] = []
+        for delta in self.engine.step():
+            queue = self._streams.get(delta.request_id)
+            (others if queue is None else queue).append(delta)
+        return others
 
     def apply_chat_template(
         self, conversation: Conversation, options: ChatOptions | None = None

@@ -168,6 +168,28 @@ def test_stream_deltas_concatenate_to_generate(make_llm):
     assert "".join(d.text for d in deltas) == whole.text
 
 
+def test_streams_read_in_turns_and_beside_generate_lose_no_delta(make_llm):
+    """Each call that steps the engine queues open streams' deltas for them: two streams read
+    alternately, and a ``generate`` and an ``embed`` call between their reads."""
+    llm = make_llm()
+    texts = ["stream me", "and me too"]
+    whole = [o.token_ids for o in llm.generate(texts, GREEDY)]
+    streams = [llm.stream(t, GREEDY) for t in texts]
+    got: list[list[int]] = [[], []]
+    got[0] += next(streams[0]).token_ids
+    assert llm.generate(["q"], GREEDY)[0].token_ids == llm.generate(["q"], GREEDY)[0].token_ids
+    llm.embed(["between"])
+    done = [False, False]
+    while not all(done):
+        for i, stream in enumerate(streams):
+            if not done[i]:
+                delta = next(stream)
+                got[i] += delta.token_ids
+                done[i] = delta.finished
+    assert got == whole
+    assert llm.engine.num_free_blocks == llm.engine.num_blocks
+
+
 def test_closing_a_stream_early_frees_its_blocks(make_llm):
     llm = make_llm()
     stream = llm.stream("abandon me", GREEDY)
