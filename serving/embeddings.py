@@ -25,8 +25,14 @@ from specdec.serving.errors import APIError
 from specdec.serving.generation import Generation
 from specdec.serving.protocol import is_token_ids
 from specdec.serving.responses import new_id, now_s
-from specdec.serving.routes import check_model, respond, server_state, tokenize
-from specdec.serving.strict import StrictModel
+from specdec.serving.routes import (
+    check_model,
+    check_priority_allowed,
+    respond,
+    server_state,
+    tokenize,
+)
+from specdec.serving.strict import StrictModel, TruncatePromptTokens
 
 router = APIRouter()
 
@@ -40,9 +46,9 @@ class EmbeddingRequest(StrictModel):
     dimensions: int | None = None  # Matryoshka truncation: refused (no model here has it)
     user: str | None = None  # OpenAI's end-user id: accepted, not used
     # extra (vLLM's): keep each input's last k tokens (-1: as many as fit the context)
-    truncate_prompt_tokens: int | None = Field(None, ge=-1, lt=2**31)
+    truncate_prompt_tokens: TruncatePromptTokens = None
     normalize: bool | None = None  # extra (vLLM's): None or true scales to unit length
-    priority: int = Field(0, ge=-(2**63), lt=2**63)  # extra (vLLM's): lower first
+    priority: int = Field(0, ge=-(2**31), lt=2**31)  # extra (vLLM's): lower first
 
     @field_validator("input", mode="before")
     @classmethod
@@ -55,13 +61,6 @@ class EmbeddingRequest(StrictModel):
             "must be a non-empty string, a list of them, a list of token ids or a list of "
             "token-id lists (none empty)"
         )
-
-    @field_validator("truncate_prompt_tokens")
-    @classmethod
-    def _not_zero(cls, value: int | None) -> int | None:
-        if value == 0:
-            raise ValueError("must be -1 (as many as fit) or a positive number of tokens")
-        return value
 
 
 def _one_input(value: Any) -> bool:  # noqa: ANN401
@@ -100,13 +99,7 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
             "embeddings, so its vectors cannot be shortened; leave dimensions unset",
             param="dimensions",
         )
-    if body.priority and not state.llm.engine.scheduler.by_priority:
-        raise APIError(
-            400,
-            f"priority {body.priority} needs priority scheduling: the server was started without "
-            "--scheduling-policy priority, so every request must have priority 0",
-            param="priority",
-        )
+    check_priority_allowed(state, body.priority)
     if len(body.input) > state.gate.max_running:
         raise APIError(
             400,

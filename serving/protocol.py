@@ -23,7 +23,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from specdec.config import MAX_LOGPROBS, SamplingParams, choice_seed
 from specdec.llm import CHAT_TEMPLATE_ARGUMENTS, ChatOptions
 from specdec.serving.guided import GuidedFields, guides_given
-from specdec.serving.strict import StrictModel
+from specdec.serving.strict import StrictModel, TruncatePromptTokens
 from specdec.serving.tools import (
     NamedToolChoice,
     Tool,
@@ -80,7 +80,7 @@ class GenerationFields(GuidedFields):
     allowed_token_ids: list[int] | None = None  # extra; only these ids may be generated
     bad_words: list[str] | None = None  # extra; words never generated (vLLM's rule)
     # extra; keep the prompt's last k tokens (-1: as many as leave room for one new token)
-    truncate_prompt_tokens: int | None = Field(None, ge=-1, lt=2**31)
+    truncate_prompt_tokens: TruncatePromptTokens = None
     # extra (vLLM's); under --scheduling-policy priority, lower values are served first
     priority: int = Field(0, ge=-(2**31), lt=2**31)
     guided_grammar: Any = None
@@ -111,13 +111,6 @@ class GenerationFields(GuidedFields):
         if value is None or isinstance(value, bool) or value == "never":
             return value
         raise ValueError('must be true, false or "never"')
-
-    @field_validator("truncate_prompt_tokens")
-    @classmethod
-    def _not_zero(cls, value: int | None) -> int | None:
-        if value == 0:
-            raise ValueError("must be -1 (as many as fit) or a positive number of tokens")
-        return value
 
     @field_validator("logit_bias")
     @classmethod

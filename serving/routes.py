@@ -319,13 +319,7 @@ def make_generation(
     (``max_tokens`` 0, allowed with echo, generates one token that the generation drops); with
     ``use_beam_search``, a beam search per prompt (specdec/serving/beams.py)."""
     max_model_len = state.llm.engine.max_model_len
-    if body.priority and not state.llm.engine.scheduler.by_priority:
-        raise APIError(
-            400,
-            f"priority {body.priority} needs priority scheduling: the server was started without "
-            "--scheduling-policy priority, so every request must have priority 0",
-            param="priority",
-        )
+    check_priority_allowed(state, body.priority)
     if body.use_beam_search:
         limits = [max(1, fit_max_tokens(body, len(p), max_model_len)) for p in prompts]
         return BeamGeneration(state, body, prompts, limits, prompt_param)
@@ -345,6 +339,17 @@ def make_generation(
     return Generation(
         state, requests, num_prompt_tokens, prompt_param, discard, guide_param=body.guide_field()
     )
+
+
+def check_priority_allowed(state: ServerState, priority: int) -> None:
+    """400 for a priority other than 0 on a server that schedules first come first served."""
+    if priority and not state.llm.engine.scheduler.by_priority:
+        raise APIError(
+            400,
+            f"priority {priority} needs priority scheduling: the server was started without "
+            "--scheduling-policy priority, so every request must have priority 0",
+            param="priority",
+        )
 
 
 def fit_max_tokens(body: GenerationFields, num_prompt_tokens: int, max_model_len: int) -> int:

@@ -3,9 +3,9 @@ Unicode."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 
 class StrictModel(BaseModel):
@@ -39,3 +39,13 @@ def _check_unicode(text: str) -> None:
             f"contains a lone UTF-16 surrogate (U+{ord(text[e.start]):04X}) at character "
             f"{e.start}, which is not valid Unicode text"
         ) from None
+
+
+def _not_zero(value: int | None) -> int | None:
+    if value == 0:
+        raise ValueError("must be -1 (as many as fit) or a positive number of tokens")
+    return value
+
+
+# vLLM's extra field: keep the prompt's last k tokens (-1: as many as leave room for one new one)
+TruncatePromptTokens = Annotated[int | None, Field(ge=-1, lt=2**31), AfterValidator(_not_zero)]
