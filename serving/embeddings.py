@@ -1,6 +1,7 @@
 """``POST /v1/embeddings``: OpenAI's embeddings API (and vLLM's extra fields) on the served model.
 
-Each input is tokenized as completions' prompts are and runs on the engine as an embedding
+Each input is tokenized as completions' prompts are (or, in vLLM's chat form, ``messages`` go
+through the chat template, as chat completions', and give one vector) and runs on the engine as an embedding
 request (:mod:`specdec.pooling`): admitted by the same gate, batched beside generation, aborted
 when the client leaves. The vectors are the final norm's states pooled by the server's
 ``--pooling-type`` (the last token's by default) and, unless the request sets ``normalize`` to
@@ -11,6 +12,7 @@ its little-endian float32 bytes, as OpenAI's client expects.
 from __future__ import annotations
 
 import base64
+from dataclasses import replace
 from functools import partial
 from typing import Any, Literal
 
@@ -19,29 +21,39 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field, field_validator
 
+from specdec.llm import ChatOptions
 from specdec.pooling import PoolingParams
 from specdec.serving.bridge import GenerationRequest
 from specdec.serving.errors import APIError
 from specdec.serving.generation import Generation
-from specdec.serving.protocol import is_token_ids
+from specdec.serving.protocol import (
+    ChatMessage,
+    ChatTemplateFields,
+    is_token_ids,
+    template_message,
+)
 from specdec.serving.responses import new_id, now_s
 from specdec.serving.routes import (
     check_model,
     check_priority_allowed,
+    render_chat,
     respond,
     server_state,
     tokenize,
 )
-from specdec.serving.strict import StrictModel, TruncatePromptTokens
+from specdec.serving.strict import TruncatePromptTokens
 
 router = APIRouter()
 
 
-class EmbeddingRequest(StrictModel):
-    """``POST /v1/embeddings``: one vector per input."""
+class EmbeddingRequest(ChatTemplateFields):
+    """``POST /v1/embeddings``: one vector per input, or one for a conversation (vLLM's chat
+    form: ``messages`` through the chat template, the assistant's turn not opened unless
+    ``add_generation_prompt`` is true)."""
 
     model: str | None = None
-    input: list[str | list[int]]  # a string, a list of strings, token ids or token-id lists
+    input: list[str | list[int]] | None = None  # a string, a list of strings, token ids or lists
+    messages: list[ChatMessage] | None = None  # extra (vLLM's): a conversation instead of input
     encoding_format: Literal["float", "base64"] | None = None  # None: "float"
     dimensions: int | None = None  # Matryoshka truncation: refused (no model here has it)
     user: str | None = None  # OpenAI's end-user id: accepted, not used
@@ -53,6 +65,8 @@ class EmbeddingRequest(StrictModel):
     @field_validator("input", mode="before")
     @classmethod
     def _input_as_list(cls, value: Any) -> Any:  # noqa: ANN401
+        if value is None:
+            return None
         if isinstance(value, str) or (is_token_ids(value) and value):
             value = [value]
         if isinstance(value, list) and value and all(_one_input(p) for p in value):
@@ -61,6 +75,16 @@ class EmbeddingRequest(StrictModel):
             "must be a non-empty string, a list of them, a list of token ids or a list of "
             "token-id lists (none empty)"
         )
+
+    def chat_options(self) -> ChatOptions:
+        """As chat's, but the assistant's turn stays closed unless asked for (vLLM's default
+        for embeddings: the vector is the conversation's, not a reply's start)."""
+        return replace(
+            super().chat_options(), add_generation_prompt=bool(self.add_generation_prompt)
+        )
+
+    def conversation(self) -> list[dict[str, Any]]:
+        return [template_message(m) for m in self.messages or []]
 
 
 def _one_input(value: Any) -> bool:  # noqa: ANN401
@@ -100,18 +124,28 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
             param="dimensions",
         )
     check_priority_allowed(state, body.priority)
-    if len(body.input) > state.gate.max_running:
+    if (body.input is None) == (body.messages is None):
+        raise APIError(400, "give exactly one of input or messages", param="input")
+    truncate, param = body.truncate_prompt_tokens, "input"
+    inputs: list[str | list[int]]
+    if body.messages is not None:
+        if not body.messages:
+            raise APIError(400, "messages must contain at least one message", param="messages")
+        text = await render_chat(state, body.conversation(), body.chat_options())
+        param, inputs = "messages", [text]
+    else:
+        inputs = body.input or []
+    if len(inputs) > state.gate.max_running:
         raise APIError(
             400,
-            f"this request has {len(body.input)} inputs, but the server runs at most "
+            f"this request has {len(inputs)} inputs, but the server runs at most "
             f"{state.gate.max_running} sequences at once: send fewer inputs per request",
             param="input",
         )
     pooling = PoolingParams(normalize=body.normalize)  # the prompts are truncated here
-    truncate = body.truncate_prompt_tokens
-    prompts = [await tokenize(state, text, "input", truncate) for text in body.input]
+    prompts = [await tokenize(state, text, param, truncate) for text in inputs]
     requests = [GenerationRequest(ids, pooling, priority=body.priority) for ids in prompts]
-    generation = Generation(state, requests, sum(len(p) for p in prompts), "input", True)
+    generation = Generation(state, requests, sum(len(p) for p in prompts), param, True)
     full = partial(_response, generation, state.model_name, body.encoding_format == "base64")
     return await respond(request, generation, False, full, _no_chunks)
 

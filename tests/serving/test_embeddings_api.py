@@ -97,6 +97,27 @@ def test_embeddings_beside_streamed_generation(served, offline):
     served.wait_until_idle()
 
 
+def test_a_conversation_is_embedded_through_the_chat_template(served, offline):
+    """vLLM's chat form: the messages rendered as chat completions render them, the
+    assistant's turn left closed unless add_generation_prompt is true."""
+    from specdec.llm import ChatOptions
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    for opened in (False, True):
+        body = {"messages": messages, **({"add_generation_prompt": True} if opened else {})}
+        response = served.post("/v1/embeddings", json=body).json()
+        ids = offline.apply_chat_template(messages, ChatOptions(add_generation_prompt=opened))
+        assert response["usage"]["prompt_tokens"] == len(ids)
+        (expected,) = offline_vectors(offline, [ids])
+        np.testing.assert_allclose(response["data"][0]["embedding"], expected, atol=1e-6)
+    both = {"messages": messages, "input": "hi"}
+    assert_error(served.post("/v1/embeddings", json=both), 400, "exactly one", "input")
+    empty = served.post("/v1/embeddings", json={"messages": []})
+    assert_error(empty, 400, "at least one message", "messages")
+    template = {"messages": messages, "chat_template": "{{ messages }}"}
+    assert_error(served.post("/v1/embeddings", json=template), 400, "--trust", "chat_template")
+
+
 def test_the_servers_pooling_type(make_server, offline):
     served = make_server(pooling_type="mean")
     data = served.post("/v1/embeddings", json={"input": "hello", "normalize": False}).json()
@@ -114,7 +135,7 @@ def test_the_servers_pooling_type(make_server, offline):
         ({"input": []}, 400, "non-empty", "input"),
         ({"input": ["a", []]}, 400, "non-empty", "input"),
         ({"input": [1.5]}, 400, "non-empty", "input"),
-        ({}, 400, "input", "input"),
+        ({}, 400, "exactly one of input or messages", "input"),
         ({"input": "hi", "encoding_format": "int8"}, 400, "float", "encoding_format"),
         ({"input": "hi", "truncate_prompt_tokens": 0}, 400, "-1", "truncate_prompt_tokens"),
         ({"input": "hi", "normalize": "yes"}, 400, "bool", "normalize"),
