@@ -24,8 +24,9 @@
 // busy while the weights stream from memory), 2 or 3 rows take 2 blocks, and more rows take one
 // block in tiles of up to 5 rows (10 sums, 2 weight vectors and a broadcast input: 13 of the 16
 // ymm registers); from kWideLaneRows rows on, tiles of 6 rows (12 sums in named registers, see
-// six_row_sums in cpu_simd.h) with one smaller tile for the rest; with AVX-512, more rows take
-// two blocks in tiles of up to 8 rows (see kZmmRows). When a block has several tiles, they take
+// six_row_sums in cpu_simd.h) with one smaller tile for the rest; with AVX-512, up to 16 rows
+// take two blocks in tiles of up to 8 rows, and more rows four blocks in tiles of up to 6 (see
+// kZmmRows). When a block has several tiles, they take
 // the inputs kLaneChunk at a time, so that the block's 4 KB of weights for those inputs stay in
 // L1 while every tile reads them; a tile's sums wait in memory between chunks (a store and a
 // load do not change a float).
@@ -59,16 +60,33 @@ struct LaneLayout {
 };
 
 #if defined(__AVX512F__)
-// AVX-512: a block's 16 features are one vector, and the tiles of many rows take two blocks at
-// once (kZmmRows rows x 2 blocks: 16 sums, 2 weight vectors and a broadcast input of the 32 zmm
-// registers), so that each input's 2 weight loads and 8 broadcasts feed 16 fused multiply-adds.
-// The AVX2 code (8 features to a vector) ran here before. Side by side on 2 Intel cores with
-// AVX-512 (and no BF16): a 1536 x 576 linear went from 91 to 222 GFLOP/s at 8 rows, 77 to 289
-// at 64 and 87 to 276 at 256 (torch's oneDNN matmul: 137, 227, 262), and the default model's
-// 1,000-token float32 prompt took 1.58x less time (medians of 3 runs each way); a decode step,
-// bound by reading the weights, the same.
+// AVX-512: a block's 16 features are one vector, and the tiles of many rows take four blocks at
+// once (kZmmRows rows x kZmmBlocks blocks: 24 sums, 4 weight vectors and a broadcast input of
+// the 32 zmm registers), so that each input's 4 weight loads and 6 broadcasts feed 24 fused
+// multiply-adds; the inputs go kZmmChunk at a time (the 4 blocks' 32 KB of weights for them stay
+// in L1 while every tile of the row chunk reads them). The AVX2 code (8 features to a vector)
+// ran here before. Side by side on 2 Intel cores with AVX-512 (and no BF16): a 1536 x 576
+// linear went from 91 to 222 GFLOP/s at 8 rows, 77 to 289 at 64 and 87 to 276 at 256 (torch's
+// oneDNN matmul: 137, 227, 262), and the default model's 1,000-token float32 prompt took 1.58x
+// less time (medians of 3 runs each way); a decode step, bound by reading the weights, the same.
+// Tiles of 8 rows x 2 blocks, inputs 64 at a time, took every row count until 2026-12-07.
+// Against them, on 2 cores with AMX (the default model's four linear shapes, time as a share of
+// MKL's, side by side in one process, the same bits), 6 x 4 with 128 inputs: 24 rows 0.60 ->
+// 0.58, 64 rows 0.82 -> 0.79, 256 rows 1.06 -> 0.97, 512 rows 1.17 -> 1.03 (a float32
+// embedding of the dataset's prompts, all prefill, went from 0.81x transformers to 0.94x). 6 x
+// 4 with 64 inputs gave 1.07 at 512, 8 x 2 with 128 inputs 1.12, 12 x 2 1.14, 7 x 3 1.10, and 96
+// to 192 inputs with 6 x 4 within 2% of 128.
 constexpr bool kZmmLanes = true;
-constexpr int kZmmRows = 8;
+constexpr int kZmmRows = 6;
+constexpr int kZmmBlocks = 4;
+constexpr int64_t kZmmChunk = 128;
+// Up to kZmmFewRows rows (a decode beside a few others, a verification), tiles of 8 rows x 2
+// blocks, inputs 64 at a time, as before: 1-3% faster there than 6 x 4 (8 rows: 0.42 of MKL's
+// time against 0.46; 9-16 rows 0.44-0.49 against 0.45-0.51).
+constexpr int64_t kZmmFewRows = 16;
+constexpr int kZmmFewTileRows = 8;
+constexpr int kZmmFewBlocks = 2;
+constexpr int64_t kZmmFewChunk = 64;
 
 // sums[r][16 * b + j] for rows x[r] (`stride` apart) and the B blocks from wb, over inputs
 // [k0, k1); the sums start from zero at k0 == 0 and from `sums` otherwise. `ahead`: the weights
@@ -104,6 +122,12 @@ inline void lane_tile6(const float* x, int64_t stride, const float* wb, const La
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr bool kZmmLanes = false;
 constexpr int kZmmRows = 1;
+constexpr int kZmmBlocks = 1;
+constexpr int64_t kZmmChunk = 1;
+constexpr int64_t kZmmFewRows = 0;
+constexpr int kZmmFewTileRows = 1;
+constexpr int kZmmFewBlocks = 1;
+constexpr int64_t kZmmFewChunk = 1;
 
 // sums[r][16 * b + j] for rows x[r] (`stride` apart) and the B blocks from wb, over inputs
 // [k0, k1); the sums start from zero at k0 == 0 and from `sums` otherwise. `ahead`: the weights
@@ -152,6 +176,12 @@ inline void lane_tile6(const float* x, int64_t stride, const float* wb, const La
 #else
 constexpr bool kZmmLanes = false;
 constexpr int kZmmRows = 1;
+constexpr int kZmmBlocks = 1;
+constexpr int64_t kZmmChunk = 1;
+constexpr int64_t kZmmFewRows = 0;
+constexpr int kZmmFewTileRows = 1;
+constexpr int kZmmFewBlocks = 1;
+constexpr int64_t kZmmFewChunk = 1;
 
 // Without AVX2 and FMA: the same chains, one std::fma (correctly rounded, as the instruction) at
 // a time.
@@ -201,6 +231,26 @@ inline void store_lanes(const float* sums, int64_t rows, int64_t width, const fl
     }
 }
 
+// AVX-512, rows m0 .. m0 + chunk and the blocks [begin, end): B blocks at a time, tiles of up to
+// R rows, the inputs `inputs` at a time where the chunk has several tiles.
+template <int R, int B>
+void zmm_blocks(const float* xc, int64_t chunk, const float* w, const float* bias, float* y,
+                const LaneLayout& l, int64_t m0, int64_t begin, int64_t end, int64_t inputs) {
+  std::vector<float> sums(chunk * B * kLaneBlock);  // [chunk][B blocks x 16]
+  for (int64_t b = begin; b < end; b += B) {
+    const int64_t blocks = std::min<int64_t>(B, end - b), width = blocks * kLaneBlock;
+    const float* wb = l.block(w, b);
+    const int64_t step = chunk <= R ? l.in : inputs;
+    for (int64_t k0 = 0; k0 < l.in; k0 += step) {
+      const int64_t k1 = std::min(l.in, k0 + step);
+      for (int64_t m = 0; m < chunk; m += R)
+        lane_tile_of<R, B>(std::min<int64_t>(R, chunk - m), blocks, xc + m * l.in, l.in, wb, l,
+                           k0, k1, sums.data() + m * width, m == 0);
+    }
+    store_lanes(sums.data(), chunk, width, bias, y, l, m0, b);
+  }
+}
+
 void lane_linear_rows(const float* x, const float* w, const float* bias, float* y, int64_t rows,
                       const LaneLayout& l) {
   for (int64_t m0 = 0; m0 < rows; m0 += kLaneRowChunk) {
@@ -221,21 +271,12 @@ void lane_linear_rows(const float* x, const float* w, const float* bias, float* 
         }
         return;
       }
-      if constexpr (kZmmLanes) {  // two blocks at a time, tiles of up to kZmmRows rows
-        std::vector<float> sums(chunk * 2 * kLaneBlock);  // [chunk][2 blocks x 16]
-        for (int64_t b = begin; b < end; b += 2) {
-          const int64_t blocks = std::min<int64_t>(2, end - b), width = blocks * kLaneBlock;
-          const float* wb = l.block(w, b);
-          const int64_t step = chunk <= kZmmRows ? l.in : kLaneChunk;
-          for (int64_t k0 = 0; k0 < l.in; k0 += step) {
-            const int64_t k1 = std::min(l.in, k0 + step);
-            for (int64_t m = 0; m < chunk; m += kZmmRows)
-              lane_tile_of<kZmmRows, 2>(std::min<int64_t>(kZmmRows, chunk - m), blocks,
-                                        xc + m * l.in, l.in, wb, l, k0, k1,
-                                        sums.data() + m * width, m == 0);
-          }
-          store_lanes(sums.data(), chunk, width, bias, y, l, m0, b);
-        }
+      if constexpr (kZmmLanes) {
+        if (chunk <= kZmmFewRows)
+          zmm_blocks<kZmmFewTileRows, kZmmFewBlocks>(xc, chunk, w, bias, y, l, m0, begin, end,
+                                                     kZmmFewChunk);
+        else
+          zmm_blocks<kZmmRows, kZmmBlocks>(xc, chunk, w, bias, y, l, m0, begin, end, kZmmChunk);
         return;
       }
       // One block at a time, the inputs in chunks shared by its row tiles: from kWideLaneRows
