@@ -29,7 +29,14 @@ from specdec.models.llama import LlamaForCausalLM
 from specdec.models.quant import check_quantization
 from specdec.outputs import RequestOutput, merge_delta
 from specdec.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
-from specdec.prompt_inputs import Prompt, as_prompt_list, dict_prompt, priorities_for, to_token_ids
+from specdec.prompt_inputs import (
+    Prompt,
+    as_prompt_list,
+    dict_prompt,
+    params_for,
+    priorities_for,
+    to_token_ids,
+)
 
 Conversation = list[dict[str, str]]
 # apply_chat_template's own arguments, which template variables must not override
@@ -146,7 +153,7 @@ class LLM:
         completion and ``more_completions`` the rest (``outputs`` lists them all).
         ``priority``: one per prompt, lower first, under ``scheduling_policy="priority"``."""
         prompt_list = as_prompt_list(prompts)
-        param_list = self._params_for(sampling_params, len(prompt_list))
+        param_list = params_for(sampling_params, SamplingParams, len(prompt_list))
         jobs: list[Job] = []
         for prompt, sp, rank in zip(prompt_list, param_list, priorities_for(priority, prompt_list)):
             text, ids = self._text_and_ids(prompt)
@@ -172,14 +179,7 @@ class LLM:
         scaled to unit length (vLLM's ``LLM.embed``; see :mod:`specdec.pooling`).
         ``truncate_prompt_tokens`` keeps each prompt's last k tokens (-1: as many as fit)."""
         prompt_list = as_prompt_list(prompts)
-        if pooling_params is None or isinstance(pooling_params, PoolingParams):
-            pooling_list = [pooling_params or PoolingParams()] * len(prompt_list)
-        elif len(pooling_params) != len(prompt_list):
-            raise ValueError(
-                f"got {len(pooling_params)} PoolingParams for {len(prompt_list)} prompts"
-            )
-        else:
-            pooling_list = list(pooling_params)
+        pooling_list = params_for(pooling_params, PoolingParams, len(prompt_list))
         if truncate_prompt_tokens is not None:
             pooling_list = [
                 replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in pooling_list
@@ -356,16 +356,6 @@ class LLM:
 
     def _add(self, prompt: Prompt, params: SamplingParams) -> int:
         return self.engine.add_request(self.encode(prompt), params)
-
-    @staticmethod
-    def _params_for(
-        params: SamplingParams | Sequence[SamplingParams] | None, n: int
-    ) -> list[SamplingParams]:
-        if params is None or isinstance(params, SamplingParams):
-            return [params or SamplingParams()] * n
-        if len(params) != n:
-            raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
-        return list(params)
 
 
 def engine_config(options: dict[str, Any]) -> EngineConfig:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -11,6 +11,7 @@ import torch
 # Raw text, token ids, or vLLM's prompt dictionaries: {"prompt": text} (TextPrompt) or
 # {"prompt_token_ids": ids} (TokensPrompt)
 Prompt = str | list[int] | dict[str, Any]
+T = TypeVar("T")
 
 
 def is_single(prompts: Any) -> bool:
@@ -63,3 +64,13 @@ def priorities_for(priority: Sequence[int] | None, prompts: list[Prompt]) -> lis
     if len(priorities) != len(prompts):
         raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
     return priorities
+
+
+def params_for(params: Any, kind: type[T], n: int) -> list[T]:  # noqa: ANN401
+    """``n`` parameter objects of ``kind`` (``SamplingParams``, ``PoolingParams``): one given
+    for every prompt, one per prompt, or the defaults where none is given."""
+    if params is None or isinstance(params, kind):
+        return [params or kind()] * n
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} {kind.__name__} for {n} prompts")
+    return list(params)
