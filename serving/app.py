@@ -32,6 +32,7 @@ from specdec.serving.responses_api import router as responses_router
 from specdec.serving.responses_store import ResponseStore
 from specdec.serving.routes import router
 from specdec.serving.sagemaker import router as sagemaker_router
+from specdec.serving.scores import router as scores_router
 from specdec.serving.tool_parsers import TOOL_CALL_PARSERS
 
 
@@ -141,12 +142,14 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     app.include_router(responses_router)
     app.include_router(sagemaker_router)
     app.include_router(embeddings_router)
+    app.include_router(scores_router)
     install_error_handlers(app)
     # The last added is the outermost: count everything, answer unexpected errors, then check
     # the key, then the size.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     if config.api_key is not None:
-        protected = {"/openapi.json", "/tokenize", "/detokenize", "/invocations"}
+        protected = {"/openapi.json", "/tokenize", "/detokenize", "/invocations", "/score"}
+        protected |= {"/rerank", "/v2/rerank"}
         protected |= {"/metrics"} if config.metrics_require_key else set()
         app.add_middleware(
             ApiKeyMiddleware,
@@ -156,7 +159,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     app.add_middleware(UnexpectedErrors)
     all_routes = (
         *router.routes, *responses_router.routes, *sagemaker_router.routes,
-        *embeddings_router.routes,
+        *embeddings_router.routes, *scores_router.routes,
     )  # fmt: skip
     routes = frozenset(getattr(r, "path", "") for r in all_routes)
     app.add_middleware(RequestCountMiddleware, metrics=metrics, routes=routes)

@@ -1,9 +1,10 @@
 """``POST /v1/embeddings``: OpenAI's embeddings API (and vLLM's extra fields) on the served model.
 
 Each input is tokenized as completions' prompts are (or, in vLLM's chat form, ``messages`` go
-through the chat template, as chat completions', and give one vector) and runs on the engine as an embedding
-request (:mod:`specdec.pooling`): admitted by the same gate, batched beside generation, aborted
-when the client leaves. The vectors are the final norm's states pooled by the server's
+through the chat template, as chat completions', and give one vector) and runs on the engine as
+an embedding request (:mod:`specdec.pooling`): admitted by the same gate, in waves of at most
+``max_running`` sequences when a request has more inputs than that, batched beside generation,
+aborted when the client leaves. The vectors are the final norm's states pooled by the server's
 ``--pooling-type`` (the last token's by default) and, unless the request sets ``normalize`` to
 false, scaled to unit length. ``encoding_format: "base64"`` sends each vector as the base64 of
 its little-endian float32 bytes, as OpenAI's client expects.
@@ -13,10 +14,10 @@ from __future__ import annotations
 
 import base64
 from dataclasses import replace
-from functools import partial
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field, field_validator
@@ -25,7 +26,7 @@ from specdec.llm import ChatOptions
 from specdec.pooling import PoolingParams
 from specdec.serving.bridge import GenerationRequest
 from specdec.serving.errors import APIError
-from specdec.serving.generation import Generation
+from specdec.serving.generation import Generation, until_disconnected
 from specdec.serving.protocol import (
     ChatMessage,
     ChatTemplateFields,
@@ -34,14 +35,17 @@ from specdec.serving.protocol import (
 )
 from specdec.serving.responses import new_id, now_s
 from specdec.serving.routes import (
+    CLIENT_CLOSED_REQUEST,
     check_model,
     check_priority_allowed,
     render_chat,
-    respond,
     server_state,
     tokenize,
 )
 from specdec.serving.strict import TruncatePromptTokens
+
+if TYPE_CHECKING:
+    from specdec.serving.app import ServerState
 
 router = APIRouter()
 
@@ -135,33 +139,59 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         param, inputs = "messages", [text]
     else:
         inputs = body.input or []
-    if len(inputs) > state.gate.max_running:
-        raise APIError(
-            400,
-            f"this request has {len(inputs)} inputs, but the server runs at most "
-            f"{state.gate.max_running} sequences at once: send fewer inputs per request",
-            param="input",
-        )
     pooling = PoolingParams(normalize=body.normalize)  # the prompts are truncated here
     prompts = [await tokenize(state, text, param, truncate) for text in inputs]
-    requests = [GenerationRequest(ids, pooling, priority=body.priority) for ids in prompts]
-    generation = Generation(state, requests, sum(len(p) for p in prompts), param, True)
-    full = partial(_response, generation, state.model_name, body.encoding_format == "base64")
-    return await respond(request, generation, False, full, _no_chunks)
+    vectors = await embed_prompts(request, state, prompts, pooling, body.priority, param)
+    if vectors is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    response = _response(vectors, prompts, state.model_name, body.encoding_format == "base64")
+    return Response(response.model_dump_json(), media_type="application/json")
 
 
-def _response(generation: Generation, model: str, as_base64: bool) -> EmbeddingResponse:
+async def embed_prompts(
+    request: Request,
+    state: ServerState,
+    prompts: list[list[int]],
+    pooling: PoolingParams,
+    priority: int,
+    param: str,
+) -> list[torch.Tensor] | None:
+    """Each prompt's vector, run as embedding requests in waves of at most the server's
+    ``max_running`` sequences (each wave admitted as one request is, so a request of many
+    inputs holds no more room than a full batch); None once the client has left, with what
+    was running aborted."""
+    vectors: list[torch.Tensor] = []
+    wave = state.gate.max_running
+    for start in range(0, len(prompts), wave):
+        part = prompts[start : start + wave]
+        requests = [GenerationRequest(ids, pooling, priority=priority) for ids in part]
+        generation = Generation(state, requests, sum(len(p) for p in part), param, True)
+        if await until_disconnected(request, generation.start()) is None:
+            return None
+        try:
+            finished = await until_disconnected(request, generation.run())
+        finally:
+            generation.close()
+        if finished is None:
+            return None
+        vectors.extend(c.embedding for c in generation.choices if c.embedding is not None)
+    assert len(vectors) == len(prompts), "an embedding request finished without its vector"
+    return vectors
+
+
+def _response(
+    vectors: list[torch.Tensor], prompts: list[list[int]], model: str, as_base64: bool
+) -> EmbeddingResponse:
     data = []
-    for i, choice in enumerate(generation.choices):
-        assert choice.embedding is not None
-        vector = choice.embedding.numpy()
+    for i, tensor in enumerate(vectors):
+        vector = tensor.numpy()
         encoded: list[float] | str = (
             base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
             if as_base64
             else vector.astype(np.float64).tolist()
         )
         data.append(EmbeddingData(index=i, embedding=encoded))
-    tokens = generation.num_prompt_tokens
+    tokens = sum(len(p) for p in prompts)
     return EmbeddingResponse(
         id=new_id("embd"),
         created=now_s(),
@@ -169,8 +199,3 @@ def _response(generation: Generation, model: str, as_base64: bool) -> EmbeddingR
         data=data,
         usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens),
     )
-
-
-async def _no_chunks() -> Any:  # noqa: ANN401 - embeddings are never streamed
-    raise AssertionError("embeddings are not streamed")
-    yield  # pragma: no cover

@@ -7,6 +7,7 @@ from specdec.engine_config import EngineConfig
 from specdec.llm import LLM, ChatOptions
 from specdec.outputs import RequestOutput, TokenLogprobs
 from specdec.pooling import EmbeddingRequestOutput, PoolingParams
+from specdec.scoring import ScoringRequestOutput
 from specdec.structured.params import StructuredOutputsParams
 from specdec.wrap import WrappedModel, wrap
 
@@ -20,6 +21,7 @@ __all__ = [
     "PoolingParams",
     "RequestOutput",
     "SamplingParams",
+    "ScoringRequestOutput",
     "SpecConfig",
     "StructuredOutputsParams",
     "TokenLogprobs",

@@ -6,7 +6,8 @@ where it is written with a ``ValueError`` that names the field.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -46,6 +47,19 @@ class EngineConfig:
     # how an embedding request's prompt states are pooled (see specdec.pooling): "last" (vLLM's
     # default for a decoder-only model), "mean" or "cls" (vLLM's pooler_config pooling_type)
     pooling_type: str = "last"
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> EngineConfig:
+        """The config of ``LLM``'s keyword options; an unknown one (vLLM has many that mean
+        nothing here) raises a TypeError that names it and lists the known ones."""
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise TypeError(
+                f"LLM got unknown option(s) {', '.join(map(repr, unknown))}; its engine options "
+                f"are {', '.join(known)}"
+            )
+        return cls(**options)
 
     def __post_init__(self) -> None:
         _check(self.block_size > 0, f"block_size must be positive, got {self.block_size}")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import inspect
 import os
 from collections.abc import Iterator, Sequence
@@ -37,6 +36,7 @@ from specdec.prompt_inputs import (
     priorities_for,
     to_token_ids,
 )
+from specdec.scoring import ScoringRequestOutput, score_pairs, scoring_outputs
 
 Conversation = list[dict[str, str]]
 # apply_chat_template's own arguments, which template variables must not override
@@ -88,7 +88,7 @@ class LLM:
             if speculative is not None:
                 raise ValueError("give speculative or vLLM's speculative_config, not both")
             speculative = SpecConfig.from_vllm(speculative_config)
-        config = engine_config(engine_options)
+        config = EngineConfig.from_options(engine_options)
         resolved = resolve_dtype(dtype, model)
         quantization = check_quantization(quantization)
         checkpoint = load_checkpoint(model, tokenizer, resolved)
@@ -114,7 +114,7 @@ class LLM:
         """An engine on a native model already built from ``checkpoint`` (``specdec.wrap``
         builds one per drafter around the same weights)."""
         llm = cls.__new__(cls)
-        config = engine_config(engine_options)
+        config = EngineConfig.from_options(engine_options)
         dtype = model.embed_tokens.weight.dtype
         llm._assemble(checkpoint, model, dtype, config, speculative, None)
         return llm
@@ -199,6 +199,27 @@ class LLM:
             )
             for out in self._run(jobs, use_tqdm)
         ]
+
+    def score(
+        self,
+        data_1: Prompt | Sequence[Prompt],
+        data_2: Prompt | Sequence[Prompt],
+        /,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+        pooling_params: PoolingParams | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """The cosine similarity of each pair's embeddings (vLLM's ``LLM.score`` for an embedding
+        model): one ``data_1`` against every ``data_2``, or lists of equal length pair by pair
+        (see :mod:`specdec.scoring`). Every input is embedded once, all in one batch."""
+        firsts, seconds = as_prompt_list(data_1), as_prompt_list(data_2)
+        score_pairs(len(firsts), len(seconds))  # refuse a bad pairing before running anything
+        embedded = self.embed(
+            firsts + seconds, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
+            use_tqdm=use_tqdm,
+        )  # fmt: skip
+        return scoring_outputs(embedded[: len(firsts)], embedded[len(firsts) :])
 
     def _run(self, jobs: list[Job], use_tqdm: bool) -> list[RequestOutput]:
         """Add ``jobs`` to the engine and step until they have finished; their outputs, in
@@ -356,19 +377,6 @@ class LLM:
 
     def _add(self, prompt: Prompt, params: SamplingParams) -> int:
         return self.engine.add_request(self.encode(prompt), params)
-
-
-def engine_config(options: dict[str, Any]) -> EngineConfig:
-    """The :class:`EngineConfig` of ``LLM``'s keyword options; an unknown one (vLLM has many
-    that mean nothing here) raises a TypeError that names it and lists the known ones."""
-    known = [f.name for f in dataclasses.fields(EngineConfig)]
-    unknown = sorted(set(options) - set(known))
-    if unknown:
-        raise TypeError(
-            f"LLM got unknown option(s) {', '.join(map(repr, unknown))}; its engine options are "
-            f"{', '.join(known)}"
-        )
-    return EngineConfig(**options)
 
 
 @dataclass(frozen=True, slots=True)

@@ -108,6 +108,39 @@ def test_embeddings_are_transformers_last_states(hf_model):
         assert out.prompt == question
 
 
+def test_mean_pooled_scores_rank_the_answer_first(hf_model):
+    """``LLM.score`` on the default model (mean pooling): the cosines of transformers' mean
+    final-norm states, and each question's answer ranked first among five documents."""
+    questions = [
+        "What is the capital of France?",
+        "How do plants make food?",
+        "Who wrote Romeo and Juliet?",
+        "What is the boiling point of water?",
+        "How many legs does a spider have?",
+    ]
+    answers = [
+        "Paris is the capital and largest city of France.",
+        "Photosynthesis lets plants turn sunlight, water and carbon dioxide into sugar.",
+        "William Shakespeare wrote the tragedy Romeo and Juliet around 1595.",
+        "At sea level, water boils at 100 degrees Celsius.",
+        "Spiders are arachnids and have eight legs.",
+    ]
+    llm = LLM(num_kv_blocks=64, pooling_type="mean")
+
+    def mean_state(text: str) -> torch.Tensor:
+        with torch.no_grad():
+            ids = torch.tensor([llm.encode(text)])
+            return hf_model(ids, output_hidden_states=True).hidden_states[-1][0].mean(dim=0)
+
+    for i, question in enumerate(questions):
+        scores = [o.outputs.score for o in llm.score(question, answers)]
+        assert max(range(len(answers)), key=lambda j: scores[j]) == i, scores
+        expected = torch.nn.functional.cosine_similarity(
+            mean_state(question), mean_state(answers[i]), dim=0
+        )
+        assert scores[i] == pytest.approx(expected.item(), abs=1e-4)
+
+
 def test_cli_generate_prints_completions():
     result = CliRunner().invoke(main, ["generate", "--max-tokens", "12", "What is 2+2?"])
     assert result.exit_code == 0, result.output
