@@ -6,17 +6,22 @@ runs them; here each of its steps goes through the engine thread like any reques
 between steps and a beam's prefix, its last partial block included, comes from the prefix cache.
 ``n`` is the width, and the ``n`` best hypotheses are the choices (best first). A request asks for
 a search or for sampling, not both: the fields that shape sampling or the output's form are
-refused with it (:func:`check_beam_request`), and it does not stream.
+refused with it (:func:`check_beam_request`). ``temperature`` ranks beams by the
+log-probabilities of ``logits / temperature``, as vLLM's searches do (unset, 0 or 1: by the
+model's own). A streamed search, as vLLM streams one, sends each choice whole once its prompt's
+search has ended (a beam's text is not final until then).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from specdec.beam_search import MAX_BEAM_WIDTH, BeamSearcher, Search, step_params
+from specdec.outputs import RequestOutput
 from specdec.serving.bridge import EngineDeadError, GenerationRequest
 from specdec.serving.errors import APIError
 from specdec.serving.generation import Choice, Generation
@@ -35,17 +40,12 @@ BEAM_FIELDS = {
 
 
 def check_beam_request(body: GenerationFields) -> None:
-    """400 for what a beam search cannot honour: a stream, more than ``MAX_BEAM_WIDTH`` beams,
-    a sampling temperature, or any field that shapes sampling or the output (logprobs, stop
-    strings, penalties, guides, tools, ...)."""
-    if body.stream:
-        raise APIError(400, "use_beam_search does not stream: leave stream unset", param="stream")
+    """400 for what a beam search cannot honour: more than ``MAX_BEAM_WIDTH`` beams, or any
+    field that shapes sampling or the output (logprobs, stop strings, penalties, guides, tools,
+    ...)."""
     if (body.n or 1) > MAX_BEAM_WIDTH:
         message = f"n is the beam width with use_beam_search, at most {MAX_BEAM_WIDTH}"
         raise APIError(400, f"{message}; got {body.n}", param="n")
-    if body.temperature not in (None, 0):
-        message = "use_beam_search ranks beams by the model's own logprobs: leave temperature unset"
-        raise APIError(400, message, param="temperature")
     fields = type(body).model_fields
     for name in sorted(body.model_fields_set - BEAM_FIELDS):
         if getattr(body, name) not in (None, False, fields[name].default):
@@ -79,6 +79,7 @@ class BeamGeneration(Generation):
                 early_stopping=bool(body.early_stopping)
                 if body.early_stopping != "never"
                 else "never",
+                temperature=body.temperature or 0.0,
             )
             for limit in max_tokens
         ]
@@ -94,20 +95,27 @@ class BeamGeneration(Generation):
         self.state.metrics.prompt_tokens.inc(self.num_prompt_tokens)
         return True
 
-    async def run(self) -> bool:
-        """Search each prompt's beams, then fill the choices with the best."""
+    async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Search each prompt's beams in turn; once a prompt's search ends, fill its choices
+        with the best and yield each whole, finished."""
         for p, (prompt, search) in enumerate(zip(self.prompts, self.searches)):
             searcher = BeamSearcher([prompt], search)
             while requests := searcher.requests():
                 searcher.advance(await self._logits(requests))
             beams = searcher.result.completed[0]
             for rank, beam in enumerate(beams):
-                choice = self.choices[p * self.width + rank]
+                i = p * self.width + rank
+                choice = self.choices[i]
                 body = beam.token_ids[:-1] if beam.finished else beam.token_ids  # no EOS text
                 choice.text = await asyncio.to_thread(self._decode, body)
                 choice.num_tokens = len(beam.token_ids)
                 choice.finish_reason = "stop" if beam.finished else "length"
-        return True
+                yield (
+                    i,
+                    RequestOutput(
+                        -1, prompt, list(beam.token_ids), choice.text, True, choice.finish_reason
+                    ),
+                )
 
     def _decode(self, token_ids: list[int]) -> str:
         tokenizer = self.state.llm.tokenizer

@@ -1,9 +1,11 @@
 """``use_beam_search`` (vLLM's extra field): the server's beams are ``LLM.beam_search``'s, each
-step run through the engine thread beside other requests; what a search cannot honour is a 400,
-and a client that leaves mid-search leaves nothing behind."""
+step run through the engine thread beside other requests, at a temperature too; a stream sends
+each choice whole; what a search cannot honour is a 400, and a client that leaves mid-search
+leaves nothing behind."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -64,12 +66,58 @@ def test_chat_beams_equal_offline_beam_search_beside_sampled_requests(served, of
     served.wait_until_idle()
 
 
+def stream_events(served, path: str, body: dict) -> list[dict]:  # noqa: ANN001
+    """The JSON events of a streamed request, ``[DONE]`` checked and left out."""
+    with httpx.stream("POST", served.url + path, json={**body, "stream": True}, timeout=30) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_a_streamed_search_sends_each_choice_whole(served):
+    completion = {
+        "model": MODEL, "prompt": ["Once upon a time", "The sea"], "max_tokens": 8, "n": 2,
+        "use_beam_search": True,
+    }  # fmt: skip
+    whole = served.post("/v1/completions", json=completion).json()["choices"]
+    events = stream_events(served, "/v1/completions", completion)
+    streamed = [c for e in events for c in e["choices"]]
+    assert sorted((c["index"], c["text"], c["finish_reason"]) for c in streamed) == [
+        (c["index"], c["text"], c["finish_reason"]) for c in whole
+    ]
+    chat = {"model": MODEL, "messages": CHAT, "max_tokens": 8, "n": 3, "use_beam_search": True}
+    whole = served.post("/v1/chat/completions", json=chat).json()["choices"]
+    events = stream_events(served, "/v1/chat/completions", chat)
+    texts, reasons = [""] * 3, [None] * 3
+    for event in events:
+        for c in event["choices"]:
+            texts[c["index"]] += c["delta"].get("content") or ""
+            reasons[c["index"]] = c["finish_reason"] or reasons[c["index"]]
+    assert texts == [c["message"]["content"] for c in whole]
+    assert reasons == [c["finish_reason"] for c in whole]
+    served.wait_until_idle()
+
+
+def test_a_search_at_a_temperature_is_llm_beam_search_at_it(served, offline):
+    body = {
+        "model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "n": 3,
+        "use_beam_search": True, "temperature": 0.5,
+    }  # fmt: skip
+    texts = [c["text"] for c in served.post("/v1/completions", json=body).json()["choices"]]
+    hot = offline.beam_search("Once upon a time", BeamSearchParams(3, 8, temperature=0.5))
+    assert texts == [beam.text for beam in hot[0].sequences]
+    plain = offline.beam_search("Once upon a time", BeamSearchParams(3, 8))
+    assert texts != [beam.text for beam in plain[0].sequences]  # the temperature counts
+    for t in (0, 1):  # unset, 0 and 1 all rank by the model's own log-probabilities
+        same = served.post("/v1/completions", json={**body, "temperature": t}).json()
+        assert [c["text"] for c in same["choices"]] == [beam.text for beam in plain[0].sequences]
+
+
 @pytest.mark.parametrize(
     "extra, param",
     [
-        ({"stream": True}, "stream"),
         ({"n": 11}, "n"),
-        ({"temperature": 0.7}, "temperature"),
         ({"logprobs": True}, "logprobs"),
         ({"stop": ["."]}, "stop"),
         ({"top_p": 0.5}, "top_p"),

@@ -91,7 +91,6 @@ BAD_REQUESTS = [
     (C, {"prompt": "x", "structured_outputs": {"choice": "a"}}, 400, "structured_outputs: choice must be a non-empty list of non-empty strings", "structured_outputs"),
     (C, {"prompt": "x", "guided_choice": ["a"], "structured_outputs": {"choice": ["b"]}}, 400, "not both", "structured_outputs"),
     (C, {"prompt": "x", "guided_grammar": "root ::= x"}, 400, "guided_grammar: is not supported", "guided_grammar"),
-    (CHAT, {"messages": MSG, "use_beam_search": True, "stream": True}, 400, "use_beam_search does not stream", "stream"),
     (CHAT, {"messages": MSG, "use_beam_search": True, "early_stopping": "soon"}, 400, "early_stopping", "early_stopping"),
     ("/tokenize", {"prompt": "x", "messages": MSG}, 400, "give exactly one of prompt or messages", "prompt"),
     ("/tokenize", {}, 400, "give exactly one of prompt or messages", "prompt"),
