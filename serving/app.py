@@ -33,6 +33,7 @@ from specdec.serving.responses_store import ResponseStore
 from specdec.serving.routes import router
 from specdec.serving.sagemaker import router as sagemaker_router
 from specdec.serving.scores import router as scores_router
+from specdec.serving.tokenization import router as tokenization_router
 from specdec.serving.tool_parsers import TOOL_CALL_PARSERS
 
 
@@ -143,6 +144,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     app.include_router(sagemaker_router)
     app.include_router(embeddings_router)
     app.include_router(scores_router)
+    app.include_router(tokenization_router)
     install_error_handlers(app)
     # The last added is the outermost: count everything, answer unexpected errors, then check
     # the key, then the size.
@@ -159,7 +161,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     app.add_middleware(UnexpectedErrors)
     all_routes = (
         *router.routes, *responses_router.routes, *sagemaker_router.routes,
-        *embeddings_router.routes, *scores_router.routes,
+        *embeddings_router.routes, *scores_router.routes, *tokenization_router.routes,
     )  # fmt: skip
     routes = frozenset(getattr(r, "path", "") for r in all_routes)
     app.add_middleware(RequestCountMiddleware, metrics=metrics, routes=routes)

@@ -7,8 +7,8 @@ between steps and a beam's prefix, its last partial block included, comes from t
 ``n`` is the width, and the ``n`` best hypotheses are the choices (best first). A request asks for
 a search or for sampling, not both: the fields that shape sampling or the output's form are
 refused with it (:func:`check_beam_request`). ``temperature`` ranks beams by the
-log-probabilities of ``logits / temperature``, as vLLM's searches do (unset, 0 or 1: by the
-model's own). A streamed search, as vLLM streams one, sends each choice whole once its prompt's
+log-probabilities of ``logits / temperature``, as vLLM's searches do (0 or 1: by the model's
+own; unset: the generation config's temperature, else the model's own). A streamed search, as vLLM streams one, sends each choice whole once its prompt's
 search has ended (a beam's text is not final until then).
 """
 
@@ -70,6 +70,9 @@ class BeamGeneration(Generation):
         self.width = body.n or 1
         self.priority = body.priority
         eos = () if body.ignore_eos else state.llm.engine.eos_token_ids
+        temperature = body.temperature  # unset: the generation config's, as vLLM searches
+        if temperature is None:
+            temperature = state.llm.sampling_defaults.get("temperature", 0.0)
         self.searches = [
             Search(
                 width=self.width,
@@ -79,7 +82,7 @@ class BeamGeneration(Generation):
                 early_stopping=bool(body.early_stopping)
                 if body.early_stopping != "never"
                 else "never",
-                temperature=body.temperature or 0.0,
+                temperature=temperature,
             )
             for limit in max_tokens
         ]

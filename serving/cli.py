@@ -7,8 +7,10 @@ group with ``main.add_command(serve)``.
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import click
 import uvicorn
@@ -168,6 +170,18 @@ def _is_loopback(host: str) -> bool:
     help="Requests without a seed draw theirs from a generator seeded with this, so a restarted "
     "server repeats the same requests' samples (vLLM's --seed; default: unseeded).",
 )
+@click.option(
+    "--generation-config",
+    default="auto",
+    show_default=True,
+    help="Default sampling parameters of requests that leave them unset: auto (the model's "
+    "generation_config.json), vllm (none: the neutral ones) or a directory holding one.",
+)
+@click.option(
+    "--override-generation-config",
+    default=None,
+    help="JSON laid over the generation config's sampling fields, e.g. '{\"temperature\": 0.5}'.",
+)
 @click.option("--log-level", default="info", show_default=True)
 def serve(
     model: str | None,
@@ -209,6 +223,8 @@ def serve(
     pooling_type: str,
     gpu_memory_utilization: float,
     seed: int | None,
+    generation_config: str,
+    override_generation_config: str | None,
     log_level: str,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
@@ -251,6 +267,8 @@ def serve(
             pooling_type=pooling_type,
             gpu_memory_utilization=gpu_memory_utilization,
             seed=seed,
+            generation_config=generation_config,
+            override_generation_config=_json_object(override_generation_config),
             speculative=spec_config(
                 drafter,
                 num_speculative_tokens,
@@ -267,6 +285,22 @@ def serve(
     app = build_app(llm, config)
     click.echo(f"serving {llm.model_name} at http://{host}:{port}/v1", err=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+
+
+def _json_object(value: str | None) -> dict[str, Any] | None:
+    """``--override-generation-config``: a JSON object, or a usage error that says why not."""
+    if value is None:
+        return None
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        hint = "--override-generation-config"
+        raise click.BadParameter(f"not JSON: {e}", param_hint=hint) from e
+    if not isinstance(parsed, dict):
+        raise click.BadParameter(
+            f"must be a JSON object, got {value!r}", param_hint="--override-generation-config"
+        )
+    return parsed
 
 
 def read_chat_template(value: str | None) -> str | None:

@@ -16,6 +16,8 @@ Terms:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
@@ -159,18 +161,26 @@ class GenerationFields(GuidedFields):
         """Alternatives per prompt token to compute with its logprob; None: none."""
         return self.prompt_logprobs
 
-    def sampling_params(self, max_tokens: int, choice: int = 0) -> SamplingParams:
-        """The engine's parameters for ``choice`` (choice ``i`` of a seeded request uses seed + i).
+    def sampling_params(
+        self, max_tokens: int, choice: int = 0, defaults: Mapping[str, Any] = MappingProxyType({})
+    ) -> SamplingParams:
+        """The engine's parameters for ``choice`` (choice ``i`` of a seeded request uses seed + i),
+        ``defaults`` (the model's generation config's) where the request leaves a field unset.
 
         Raises ``ValueError`` naming the field when the engine refuses a value.
         """
         seed = choice_seed(self.seed, choice)
+
+        def given(name: str, neutral: Any) -> Any:  # noqa: ANN401
+            value = getattr(self, name)
+            return defaults.get(name, neutral) if value is None else value
+
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
+            temperature=given("temperature", 1.0),
+            top_p=given("top_p", 1.0),
+            top_k=given("top_k", 0),
+            min_p=given("min_p", 0.0),
             seed=seed,
             stop=list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []),
@@ -180,7 +190,7 @@ class GenerationFields(GuidedFields):
             min_tokens=self.min_tokens or 0,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=given("repetition_penalty", 1.0),
             logit_bias={int(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None,
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
@@ -363,26 +373,6 @@ class ChatCompletionRequest(GenerationFields, ChatTemplateFields, ToolChoiceRule
         last = self.messages[-1]
         role = "assistant" if self.chat_options().add_generation_prompt else last.role
         return (last.content or "") if self.echo and last.role == role else None
-
-
-class TokenizeRequest(ChatTemplateFields):
-    """``POST /tokenize`` (vLLM's): a prompt's token ids, as completions (``prompt``) or chat
-    completions (``messages``, through the chat template) would feed them."""
-
-    model: str | None = None
-    prompt: str | None = None  # a raw text ...
-    messages: list[ChatMessage] | None = None  # ... or a conversation: exactly one of the two
-    return_token_strs: bool | None = None  # also each token's string in the vocabulary
-
-    def conversation(self) -> list[dict[str, Any]]:
-        return [template_message(m) for m in self.messages or []]
-
-
-class DetokenizeRequest(StrictModel):
-    """``POST /detokenize`` (vLLM's): the text of token ids."""
-
-    model: str | None = None
-    tokens: list[int]  # token ids of the vocabulary
 
 
 def template_message(message: ChatMessage) -> dict[str, Any]:

@@ -177,14 +177,3 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]  # the models served: exactly one
-
-
-class TokenizeResponse(BaseModel):
-    count: int  # tokens in the prompt
-    max_model_len: int  # longest prompt + output, in tokens
-    tokens: list[int]  # the token ids
-    token_strs: list[str] | None = None  # each token's vocabulary string, when asked for
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str  # the text of the tokens

@@ -30,9 +30,7 @@ from specdec.serving.generation import Generation, server_sent_events, until_dis
 from specdec.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    DetokenizeRequest,
     GenerationFields,
-    TokenizeRequest,
 )
 from specdec.serving.render import (
     ResponseMeta,
@@ -42,10 +40,8 @@ from specdec.serving.render import (
     completion_response,
 )
 from specdec.serving.responses import (
-    DetokenizeResponse,
     ModelCard,
     ModelList,
-    TokenizeResponse,
 )
 from specdec.serving.tool_parsers import CallParser, parser_for
 
@@ -90,40 +86,6 @@ async def models(request: Request) -> ModelList:
         id=state.model_name, created=state.created, max_model_len=state.llm.engine.max_model_len
     )
     return ModelList(data=[card])
-
-
-@router.post("/tokenize")
-async def tokenize_route(body: TokenizeRequest, request: Request) -> TokenizeResponse:
-    """A prompt's token ids, as the generation routes would feed them (vLLM's endpoint)."""
-    state = server_state(request)
-    check_model(state, body.model)
-    if (body.prompt is None) == (body.messages is None):
-        raise APIError(400, "give exactly one of prompt or messages", param="prompt")
-    if body.messages is not None:
-        if not body.messages:
-            raise APIError(400, "messages must contain at least one message", param="messages")
-        text = await render_chat(state, body.conversation(), body.chat_options())
-    else:
-        text = body.prompt or ""
-    tokens = await asyncio.to_thread(state.llm.encode, text)
-    strs = None
-    if body.return_token_strs:
-        strs = list(await asyncio.to_thread(state.llm.tokenizer.convert_ids_to_tokens, tokens))
-    max_model_len = state.llm.engine.max_model_len
-    return TokenizeResponse(
-        count=len(tokens), max_model_len=max_model_len, tokens=tokens, token_strs=strs
-    )
-
-
-@router.post("/detokenize")
-async def detokenize_route(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
-    """The text of token ids (vLLM's endpoint)."""
-    state = server_state(request)
-    check_model(state, body.model)
-    vocab_size = state.llm.engine.vocab_size
-    if any(not 0 <= t < vocab_size for t in body.tokens):
-        raise APIError(400, f"tokens must be token ids in [0, {vocab_size})", param="tokens")
-    return DetokenizeResponse(prompt=await asyncio.to_thread(state.llm.decode, body.tokens))
 
 
 @router.post("/v1/completions")
@@ -318,17 +280,18 @@ def make_generation(
     """One request per prompt and choice (prompt-major), with max_tokens fitted to the context
     (``max_tokens`` 0, allowed with echo, generates one token that the generation drops); with
     ``use_beam_search``, a beam search per prompt (specdec/serving/beams.py)."""
-    max_model_len = state.llm.engine.max_model_len
+    max_model_len, defaults = state.llm.engine.max_model_len, state.llm.sampling_defaults
     check_priority_allowed(state, body.priority)
+    fit = partial(fit_max_tokens, body, max_model_len=max_model_len, cap=defaults.get("max_tokens"))
     if body.use_beam_search:
-        limits = [max(1, fit_max_tokens(body, len(p), max_model_len)) for p in prompts]
+        limits = [max(1, fit(len(p))) for p in prompts]
         return BeamGeneration(state, body, prompts, limits, prompt_param)
     requests = []
     for prompt in prompts:
-        max_tokens = fit_max_tokens(body, len(prompt), state.llm.engine.max_model_len)
+        max_tokens = fit(len(prompt))
         for choice in range(body.n or 1):
             try:
-                params = body.sampling_params(max(max_tokens, 1), choice)
+                params = body.sampling_params(max(max_tokens, 1), choice, defaults)
             except ValueError as e:
                 raise APIError(400, str(e), param=body.param_of(str(e).split(" ")[0])) from e
             requests.append(
@@ -352,14 +315,17 @@ def check_priority_allowed(state: ServerState, priority: int) -> None:
         )
 
 
-def fit_max_tokens(body: GenerationFields, num_prompt_tokens: int, max_model_len: int) -> int:
-    """The request's max_tokens, or what is left of the context; 400 if it does not fit."""
+def fit_max_tokens(
+    body: GenerationFields, num_prompt_tokens: int, max_model_len: int, cap: int | None = None
+) -> int:
+    """The request's max_tokens, or what is left of the context; 400 if it does not fit. ``cap``
+    (the generation config's ``max_new_tokens``) bounds either, as vLLM bounds them."""
     requested = body.requested_max_tokens
     room = max_model_len - num_prompt_tokens
     if room < 1:  # the engine refuses the prompt itself, with its own message
         return requested or 1
     if requested is None:
-        return room
+        return room if cap is None else min(room, cap)
     if requested > room:
         param = body.max_tokens_param
         raise APIError(
@@ -370,7 +336,7 @@ def fit_max_tokens(body: GenerationFields, num_prompt_tokens: int, max_model_len
             param=param,
             code="context_length_exceeded",
         )
-    return requested
+    return requested if cap is None else min(requested, cap)
 
 
 async def respond(

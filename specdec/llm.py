@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import inspect
 import os
 from collections.abc import Iterator, Sequence
@@ -14,10 +13,11 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from specdec.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
-from specdec.config import SamplingParams, choice_seed
+from specdec.config import SamplingParams
 from specdec.drafters.registry import SpecConfig
 from specdec.engine import Engine
 from specdec.engine_config import EngineConfig, resolve_device
+from specdec.generation_defaults import sampling_defaults
 from specdec.loader import (
     LoadedCheckpoint,
     load_checkpoint,
@@ -29,8 +29,10 @@ from specdec.models.quant import check_quantization
 from specdec.outputs import RequestOutput, merge_delta
 from specdec.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
 from specdec.prompt_inputs import (
+    Job,
     Prompt,
     as_prompt_list,
+    completion_params,
     dict_prompt,
     params_for,
     priorities_for,
@@ -67,7 +69,10 @@ class LLM:
     :mod:`specdec.models.quant`; a GGUF file's Q4_1 and Q8_0 tensors are used as they are).
     Engine options are the fields of :class:`~specdec.engine_config.EngineConfig`
     (``max_num_seqs``, ``num_kv_blocks``, ``seed``, ...); ``speculative_config`` takes vLLM's dictionary instead of
-    ``speculative`` (see :meth:`SpecConfig.from_vllm`).
+    ``speculative`` (see :meth:`SpecConfig.from_vllm`). ``generation_config`` (``"auto"``, the
+    model's generation config; ``"vllm"``, none; or a directory) and
+    ``override_generation_config`` set the default sampling parameters, as vLLM's options do
+    (see :mod:`specdec.generation_defaults`).
 
     >>> llm = LLM()
     >>> llm.generate(["The capital of France is"], SamplingParams(temperature=0))[0].text
@@ -82,6 +87,8 @@ class LLM:
         quantization: str | None = None,
         *,
         speculative_config: dict[str, Any] | None = None,
+        generation_config: str | os.PathLike = "auto",
+        override_generation_config: dict[str, Any] | None = None,
         **engine_options: Any,
     ):
         if speculative_config is not None:
@@ -102,6 +109,9 @@ class LLM:
             device=resolve_device(config.device),
         )
         self._assemble(checkpoint, model_impl, resolved, config, speculative, quantization)
+        self.sampling_defaults = sampling_defaults(
+            generation_config, checkpoint.generation_config, override_generation_config
+        )
 
     @classmethod
     def on_native_model(
@@ -133,6 +143,8 @@ class LLM:
         self.tokenizer = checkpoint.tokenizer
         max_model_len = config.max_model_len or checkpoint.config.max_position_embeddings
         self.spec_config = SpecConfig.coerce(speculative)
+        # SamplingParams fields the model's generation config sets (specdec.generation_defaults)
+        self.sampling_defaults = sampling_defaults("auto", checkpoint.generation_config)
         self._streams: dict[int, list[RequestOutput]] = {}  # open streams' undelivered deltas
         self.engine = Engine(
             model, self.tokenizer, config, dtype, max_model_len, self.spec_config, checkpoint
@@ -153,11 +165,12 @@ class LLM:
         completion and ``more_completions`` the rest (``outputs`` lists them all).
         ``priority``: one per prompt, lower first, under ``scheduling_policy="priority"``."""
         prompt_list = as_prompt_list(prompts)
+        sampling_params = sampling_params or self.get_default_sampling_params()
         param_list = params_for(sampling_params, SamplingParams, len(prompt_list))
         jobs: list[Job] = []
         for prompt, sp, rank in zip(prompt_list, param_list, priorities_for(priority, prompt_list)):
             text, ids = self._text_and_ids(prompt)
-            jobs += [Job(ids, _completion(sp, choice), rank, text) for choice in range(sp.n)]
+            jobs += [Job(ids, completion_params(sp, choice), rank, text) for choice in range(sp.n)]
         outputs = iter(self._run(jobs, use_tqdm))
         firsts = []
         for sp in param_list:  # a prompt's completions are consecutive
@@ -293,7 +306,7 @@ class LLM:
         read in turns, and beside ``generate`` or ``embed`` calls, none losing a delta. Closing
         the iterator early aborts the request and frees its KV blocks.
         """
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         if params.n != 1:
             raise ValueError(f"stream gives one completion: n must be 1, got {params.n}")
         request_id = self._add(prompt, params)
@@ -358,6 +371,12 @@ class LLM:
         assert isinstance(text, str)
         return text
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate``, ``chat`` and ``stream`` sample with when given no parameters: the
+        model's generation config's sampling fields over the neutral defaults (vLLM's method;
+        see :mod:`specdec.generation_defaults`)."""
+        return SamplingParams(**self.sampling_defaults)
+
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         """The target's tokenizer (vLLM's ``LLM.get_tokenizer``)."""
         return self.tokenizer
@@ -377,24 +396,3 @@ class LLM:
 
     def _add(self, prompt: Prompt, params: SamplingParams) -> int:
         return self.engine.add_request(self.encode(prompt), params)
-
-
-@dataclass(frozen=True, slots=True)
-class Job:
-    """One request for :meth:`LLM._run` to add: its prompt, how to sample it (or, for an
-    embedding, to pool it), its priority, and its text where given as text."""
-
-    token_ids: list[int]
-    params: SamplingParams | PoolingParams
-    priority: int = 0
-    text: str | None = None
-
-
-def _completion(params: SamplingParams, choice: int) -> SamplingParams:
-    """The parameters of completion ``choice`` of ``params.n`` (see ``choice_seed``); a copy,
-    so that validation does not rerun."""
-    if params.n == 1:
-        return params
-    one = copy.copy(params)
-    one.n, one.seed = 1, choice_seed(params.seed, choice)
-    return one

@@ -69,17 +69,15 @@ class UnsupportedModelError(ValueError):
 class LoadedCheckpoint:
     """Everything needed to build a native model and serve it."""
 
-    config: (
-        transformers.PretrainedConfig
-    )  # the HF config (LlamaConfig / MistralConfig / Qwen2Config)
-    state_dict: dict[
-        str, torch.Tensor
-    ]  # HF parameter names -> contiguous tensors in the load dtype
+    config: transformers.PretrainedConfig  # the HF config (LlamaConfig, Qwen2Config, ...)
+    # HF parameter names -> contiguous tensors in the load dtype
+    state_dict: dict[str, torch.Tensor]
     tokenizer: transformers.PreTrainedTokenizerBase
     name: str  # display name: the path, or DEFAULT_MODEL_NAME
     gguf_path: pathlib.Path | None = None  # the GGUF file the weights come from, if any
-    # end-of-sequence ids of the model's generation config (generation_config.json), if any
-    generation_eos_ids: tuple[int, ...] = ()
+    # the model's generation config (generation_config.json), if any: its end-of-sequence ids
+    # end sequences, its sampling fields are defaults (see specdec.generation_defaults)
+    generation_config: transformers.GenerationConfig | None = None
 
 
 ModelRef = str | os.PathLike[str] | transformers.PreTrainedModel | None
@@ -121,7 +119,7 @@ def end_of_sequence_ids(
     model's generation config (a list in Llama 3 and Qwen2 chat models), as vLLM stops at
     either: a chat model whose turn ends in a token other than the tokenizer's EOS stops."""
     ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    ids += checkpoint.generation_eos_ids if checkpoint is not None else []
+    ids += eos_ids_of(checkpoint.generation_config) if checkpoint is not None else []
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
@@ -268,7 +266,7 @@ def _load_directory(
         state_dict=_parameters(tensors, config, dtype),
         tokenizer=_load_tokenizer(path if tokenizer is None else tokenizer),
         name=name,
-        generation_eos_ids=eos_ids_of(generation),
+        generation_config=generation,
     )
 
 
@@ -285,7 +283,7 @@ def _load_model_object(
         state_dict=_parameters(tensors, model.config, dtype),
         tokenizer=_load_tokenizer(tokenizer),
         name=model.name_or_path or type(model).__name__,
-        generation_eos_ids=eos_ids_of(getattr(model, "generation_config", None)),
+        generation_config=getattr(model, "generation_config", None),
     )
 
 

@@ -1,12 +1,18 @@
-"""What ``LLM`` takes as a prompt: text, token ids, or vLLM's prompt dictionaries."""
+"""What ``LLM`` takes as a prompt (text, token ids, or vLLM's prompt dictionaries), and the requests
+it makes of prompts (:class:`Job`)."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
+
+from specdec.config import SamplingParams, choice_seed
+from specdec.pooling import PoolingParams
 
 # Raw text, token ids, or vLLM's prompt dictionaries: {"prompt": text} (TextPrompt) or
 # {"prompt_token_ids": ids} (TokensPrompt)
@@ -74,3 +80,24 @@ def params_for(params: Any, kind: type[T], n: int) -> list[T]:  # noqa: ANN401
     if len(params) != n:
         raise ValueError(f"got {len(params)} {kind.__name__} for {n} prompts")
     return list(params)
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One request for :meth:`LLM._run` to add: its prompt, how to sample it (or, for an
+    embedding, to pool it), its priority, and its text where given as text."""
+
+    token_ids: list[int]
+    params: SamplingParams | PoolingParams
+    priority: int = 0
+    text: str | None = None
+
+
+def completion_params(params: SamplingParams, choice: int) -> SamplingParams:
+    """The parameters of completion ``choice`` of ``params.n`` (see ``choice_seed``); a copy,
+    so that validation does not rerun."""
+    if params.n == 1:
+        return params
+    one = copy.copy(params)
+    one.n, one.seed = 1, choice_seed(params.seed, choice)
+    return one

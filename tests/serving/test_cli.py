@@ -69,6 +69,8 @@ def test_serve_binds_loopback_and_takes_the_api_key_from_the_environment(capture
             "pooling_type": "last",
             "gpu_memory_utilization": 0.5,
             "seed": 11,
+            "generation_config": "auto",
+            "override_generation_config": None,
             "speculative": None,
         },
     )
@@ -98,6 +100,18 @@ def test_serve_passes_the_pooling_type_on(captured_run):
     assert captured_run["llm"][1]["pooling_type"] == "mean"
     bad = CliRunner().invoke(cli.serve, ["--pooling-type", "max"])
     assert bad.exit_code == 2 and "'max' is not one of 'last', 'mean', 'cls'" in bad.output
+
+
+def test_serve_passes_the_generation_config_on(captured_run):
+    args = ["--generation-config", "vllm", "--override-generation-config", '{"top_p": 0.5}']
+    result = CliRunner().invoke(cli.serve, args)
+    assert result.exit_code == 0, result.output
+    options = captured_run["llm"][1]
+    assert options["generation_config"] == "vllm"
+    assert options["override_generation_config"] == {"top_p": 0.5}
+    for bad, message in (("{top_p", "not JSON"), ("[1]", "must be a JSON object")):
+        refused = CliRunner().invoke(cli.serve, ["--override-generation-config", bad])
+        assert refused.exit_code == 2 and message in refused.output, refused.output
 
 
 def test_serve_passes_the_engine_sizes_on_under_vllms_names_too(captured_run):
