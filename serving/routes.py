@@ -81,11 +81,20 @@ async def metrics(request: Request) -> Response:
 
 @router.get("/v1/models")
 async def models(request: Request) -> ModelList:
+    return ModelList(data=[_card(server_state(request))])
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, request: Request) -> ModelCard:
+    """The served model's card (OpenAI's ``models.retrieve``); 404 for any other name."""
     state = server_state(request)
-    card = ModelCard(
-        id=state.model_name, created=state.created, max_model_len=state.llm.engine.max_model_len
-    )
-    return ModelList(data=[card])
+    check_model(state, model_id)
+    return _card(state)
+
+
+def _card(state: ServerState) -> ModelCard:
+    max_model_len = state.llm.engine.max_model_len
+    return ModelCard(id=state.model_name, created=state.created, max_model_len=max_model_len)
 
 
 @router.post("/v1/completions")

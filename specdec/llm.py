@@ -377,6 +377,12 @@ class LLM:
         see :mod:`specdec.generation_defaults`)."""
         return SamplingParams(**self.sampling_defaults)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache's blocks that no running request holds, so that later
+        prompts are computed anew (vLLM's method, for benchmarks that replay prompts)."""
+        self.engine.scheduler.block_manager.reset_prefix_cache()
+        return True
+
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         """The target's tokenizer (vLLM's ``LLM.get_tokenizer``)."""
         return self.tokenizer

@@ -102,7 +102,7 @@ def test_prompts_arriving_together_prefill_their_shared_blocks_once(make_llm):
     assert [o.token_ids for o in outputs] == [o.token_ids for o in plain.generate(prompts, params)]
     cached = [o.metrics.num_cached_tokens for o in outputs]
     assert cached == [0, 48, 48, 48, 48, 28]  # whole blocks, the last token always computed
-    llm.engine.scheduler.block_manager.reset_prefix_cache()
+    assert llm.reset_prefix_cache()  # vLLM's LLM method
     one_token = llm.generate([prompts[0]] * 3, SamplingParams(max_tokens=1))  # ends at once
     assert [o.metrics.num_cached_tokens for o in one_token] == [0, 48, 48]
     scored = SamplingParams(max_tokens=2, prompt_logprobs=0)  # skips the cache: never waits

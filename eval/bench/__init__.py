@@ -299,7 +299,7 @@ def _load_mode(
     for i, rate in enumerate(rates):
         arrivals = arrival_times(rate, len(requests), cfg.seed + i)
         for system in systems if i % 2 == 0 else list(reversed(systems)):
-            system.llm.engine.scheduler.block_manager.reset_prefix_cache()
+            system.llm.reset_prefix_cache()
             summary = run_in_process(system.llm, requests, arrivals, cfg.sampling()).summary()
             curves[system.name].append({"rate": round(rate, 4), **summary})
             bar.update()
@@ -333,7 +333,7 @@ def _default_rates(
 
     start = time.perf_counter()
     for prompt, max_tokens in requests:
-        llm.engine.scheduler.block_manager.reset_prefix_cache()
+        llm.reset_prefix_cache()
         llm.generate(
             [prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         )

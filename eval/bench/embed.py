@@ -82,7 +82,7 @@ def run_embed(
 def _embed_uncached(llm: LLM, prompts: list[list[int]]) -> list[list[float]]:
     """``llm.embed(prompts)`` with the prefix cache emptied first: each call computes its
     prompts, as transformers does, not the blocks an earlier round left."""
-    llm.engine.scheduler.block_manager.reset_prefix_cache()
+    llm.reset_prefix_cache()
     return [o.outputs.embedding for o in llm.embed(prompts)]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -195,6 +196,10 @@ def test_models_and_health(served):
     models = served.client().models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert models.data[0].max_model_len == served.llm.engine.max_model_len  # type: ignore[attr-defined]
+    assert served.client().models.retrieve(MODEL).id == MODEL  # GET /v1/models/{model}
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        served.client().models.retrieve("gpt-4")
+    assert httpx.get(served.url + "/v1/models/org/name").status_code == 404
     assert httpx.get(served.url + "/health").json() == {"status": "ok"}
     assert httpx.get(served.url + "/version").json() == {"version": specdec.__version__}
 
