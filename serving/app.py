@@ -28,6 +28,7 @@ from specdec.serving.limits import (
 )
 from specdec.serving.logprobs import TokenTexts
 from specdec.serving.metrics import RequestCountMiddleware, ServerMetrics
+from specdec.serving.reasoning import REASONING_PARSERS
 from specdec.serving.responses_api import router as responses_router
 from specdec.serving.responses_store import ResponseStore
 from specdec.serving.routes import router
@@ -64,6 +65,9 @@ class ServerConfig:
     # request may bring its own (--trust-request-chat-template)
     chat_template: str | None = None
     trust_request_chat_template: bool = False
+    # chat replies' thinking split from their answer (vLLM's --reasoning-parser; see
+    # reasoning.py): "deepseek_r1" or "qwen3"; None: the reply is all content
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         names = ("max_concurrent", "max_body_bytes", "retry_after_s", "max_stop_chars")
@@ -81,6 +85,11 @@ class ServerConfig:
             raise ValueError(
                 f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                 f"got {self.tool_call_parser!r}"
+            )
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                f"got {self.reasoning_parser!r}"
             )
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser (e.g. 'hermes')")

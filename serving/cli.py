@@ -17,6 +17,7 @@ import uvicorn
 
 from specdec.cli_options import model_options, spec_config, speculation_options
 from specdec.engine_config import POOLING_TYPES, SCHEDULING_POLICIES
+from specdec.serving.reasoning import REASONING_PARSERS
 from specdec.serving.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
@@ -103,6 +104,13 @@ def _is_loopback(host: str) -> bool:
     type=int,
     help="Keep the last N responses of the Responses API in memory, for previous_response_id "
     "and GET/DELETE /v1/responses/{id} (0: none are stored).",
+)
+@click.option(
+    "--reasoning-parser",
+    type=click.Choice(REASONING_PARSERS),
+    default=None,
+    help="Split a reasoning model's <think> block from its chat reply into `reasoning` "
+    "(DeepSeek-R1 and its distills: deepseek_r1; Qwen3: qwen3).",
 )
 @click.option(
     "--chat-template",
@@ -209,6 +217,7 @@ def serve(
     openapi: bool,
     return_tokens_as_token_ids: bool,
     responses_store: int,
+    reasoning_parser: str | None,
     chat_template: str | None,
     trust_request_chat_template: bool,
     served_model_name: str | None,
@@ -248,6 +257,7 @@ def serve(
             responses_store=responses_store,
             chat_template=read_chat_template(chat_template),
             trust_request_chat_template=trust_request_chat_template,
+            reasoning_parser=reasoning_parser,
         )
         llm = LLM(
             model,

@@ -320,6 +320,7 @@ class ChatCompletionRequest(GenerationFields, ChatTemplateFields, ToolChoiceRule
         None,
         validate_default=True,  # checked when left out too: with tools it means "auto"
     )
+    include_reasoning: bool = True  # extra (vLLM's): false drops --reasoning-parser's reasoning
 
     @field_validator("tool_choice")
     @classmethod

@@ -8,6 +8,7 @@ nothing); chat streams first open each choice with its role, as OpenAI does. A c
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,7 @@ from specdec.serving.logprobs import (
     text_length,
     token_id_text,
 )
+from specdec.serving.reasoning import ReasoningSplit, ReasoningStream, split
 from specdec.serving.responses import (
     AssistantMessage,
     ChatChoice,
@@ -56,6 +58,7 @@ class ResponseMeta:
     auto_tools: CallParser | None = None  # "auto": the parser of the calls, for the tools
     token_ids: bool = False  # logprobs name tokens "token_id:<id>" (return_tokens_as_token_ids)
     continuous_usage: bool = False  # every chunk holds the usage so far (continuous_usage_stats)
+    reasoning: ReasoningSplit | None = None  # --reasoning-parser's split of the replies
 
     def __post_init__(self) -> None:
         self.id = self.id or new_id(self.prefix)
@@ -152,16 +155,23 @@ def chat_response(generation: Generation, meta: ResponseMeta) -> ChatCompletionR
     texts = meta.token_texts(generation)
     choices = []
     for i, c in enumerate(generation.choices):
+        reasoning, text = _split(c.text, meta)
         message: AssistantMessage | ToolCallsMessage
-        message = AssistantMessage(content=c.text if meta.echo is None else meta.echo[i] + c.text)
+        content = text if meta.echo is None else meta.echo[i] + (text or "")
+        message = AssistantMessage(
+            content=content, reasoning=reasoning, reasoning_content=reasoning
+        )
         reason = c.finish_reason
         calls = _calls(c.text, reason, meta)
         if calls is not None:
             message, reason = ToolCallsMessage(tool_calls=calls), _calls_reason(meta)
         elif meta.auto_tools is not None and reason == "stop":
-            parsed = meta.auto_tools.parse(c.text)
+            parsed = meta.auto_tools.parse(text or "")
             if parsed.tool_calls:
-                message = ToolCallsMessage(content=parsed.content, tool_calls=parsed.tool_calls)
+                message = ToolCallsMessage(
+                    content=parsed.content, tool_calls=parsed.tool_calls, reasoning=reasoning,
+                    reasoning_content=reasoning,
+                )  # fmt: skip
                 reason = "tool_calls"
         logprobs = None if c.logprobs is None else chat_logprobs(c.logprobs, texts)
         choices.append(
@@ -202,7 +212,14 @@ async def chat_chunks(
     texts = meta.token_texts(generation)
     held = [""] * len(generation.choices)  # "required": each reply's text, parsed at its end
     auto = [meta.auto_tools.stream() for _ in held] if meta.auto_tools is not None else None
+    splits = [meta.reasoning.stream() for _ in held] if meta.reasoning is not None else None
     async for i, delta in generation.deltas():
+        if splits is not None:  # the thinking goes out as reasoning, the rest on as the text
+            thinking, text = _split_delta(splits[i], delta)
+            if thinking and meta.reasoning is not None and meta.reasoning.include:
+                thought = ChatDelta(reasoning=thinking, reasoning_content=thinking)
+                yield chunk([ChatChunkChoice(index=i, delta=thought)])
+            delta = dataclasses.replace(delta, text=text)
         if auto is not None:
             for chunk_choice in _auto_deltas(auto[i], i, delta, texts):
                 yield chunk([chunk_choice])
@@ -258,6 +275,24 @@ def _auto_deltas(
     out = [ChatChunkChoice(index=i, delta=ChatDelta(content=rest))] if rest else []
     out.append(ChatChunkChoice(index=i, delta=whole, logprobs=logprobs, finish_reason="tool_calls"))
     return out
+
+
+def _split(text: str, meta: ResponseMeta) -> tuple[str | None, str | None]:
+    """A whole reply's reasoning (None unless split and sent) and content."""
+    if meta.reasoning is None:
+        return None, text
+    reasoning, content = split(text, meta.reasoning.opened)
+    return (reasoning if meta.reasoning.include else None), content
+
+
+def _split_delta(stream: ReasoningStream, delta: Any) -> tuple[str, str]:  # noqa: ANN401
+    """The reasoning and the content a streamed delta lets out (what was held back too, at
+    the end)."""
+    thinking, text = stream.feed(delta.text)
+    if delta.finished:
+        more_thinking, more_text = stream.finish()
+        thinking, text = thinking + more_thinking, text + more_text
+    return thinking, text
 
 
 def _calls(text: str, finish_reason: str | None, meta: ResponseMeta) -> list[Any] | None:

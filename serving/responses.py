@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
 
 def new_id(prefix: str) -> str:
@@ -86,9 +86,25 @@ class ChatLogprobs(BaseModel):
     refusal: None = None
 
 
-class AssistantMessage(BaseModel):
+class Reasoning(BaseModel):
+    """A reasoning model's thinking, split from its answer under ``--reasoning-parser``: under
+    vLLM's name and under DeepSeek's, both left out where there is none."""
+
+    reasoning: str | None = None
+    reasoning_content: str | None = None  # the same text
+
+    @model_serializer(mode="wrap")
+    def _without_unset_reasoning(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("reasoning") is None:
+            data.pop("reasoning", None)
+            data.pop("reasoning_content", None)
+        return data  # type: ignore[no-any-return]
+
+
+class AssistantMessage(Reasoning):
     role: Literal["assistant"] = "assistant"
-    content: str  # the reply
+    content: str | None  # the reply (None: a reasoning model cut off while thinking)
 
 
 class FunctionCall(BaseModel):
@@ -102,7 +118,7 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-class ToolCallsMessage(BaseModel):
+class ToolCallsMessage(Reasoning):
     """A reply that calls functions: under ``tool_choice`` "required" or a named function, or
     under "auto" where the model chose to (then with any text it wrote before its calls)."""
 
@@ -128,7 +144,7 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None  # when the request set prompt_logprobs
 
 
-class ChatDelta(BaseModel):
+class ChatDelta(Reasoning):
     role: Literal["assistant"] | None = None  # only in a choice's first chunk
     content: str | None = None  # new text
 

@@ -32,6 +32,7 @@ from specdec.serving.protocol import (
     CompletionRequest,
     GenerationFields,
 )
+from specdec.serving.reasoning import reasoning_split
 from specdec.serving.render import (
     ResponseMeta,
     chat_chunks,
@@ -154,6 +155,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         prompt_logprobs=show_prompt_logprobs,
         tool_choice=body.tool_choice if body.calls_tools else None,
         auto_tools=names,
+        reasoning=reasoning_split(state.config.reasoning_parser, body, text),
         token_ids=as_token_ids(state, body),
         continuous_usage=body.continuous_usage,
     )

@@ -205,3 +205,11 @@ def test_serve_takes_auto_tool_choice_with_a_parser(captured_run):
     bad = CliRunner().invoke(cli.serve, ["--tool-call-parser", "granite"])
     assert bad.exit_code == 2
     assert "'granite' is not one of 'hermes', 'mistral', 'llama3_json', 'pythonic'" in bad.output
+
+
+def test_serve_takes_a_reasoning_parser(captured_run):
+    result = CliRunner().invoke(cli.serve, ["--reasoning-parser", "deepseek_r1"])
+    assert result.exit_code == 0, result.output
+    assert captured_run["app"].state.server.config.reasoning_parser == "deepseek_r1"
+    bad = CliRunner().invoke(cli.serve, ["--reasoning-parser", "granite"])
+    assert bad.exit_code == 2 and "'granite' is not one of 'deepseek_r1', 'qwen3'" in bad.output

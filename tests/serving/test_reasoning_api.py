@@ -1,0 +1,155 @@
+"""``--reasoning-parser`` (:mod:`specdec.serving.reasoning`): a reasoning model's ``<think>``
+block split from its chat reply into ``reasoning`` (and DeepSeek's ``reasoning_content``), the
+same whole and streamed, wherever the tokens break the tags; a prompt that opens the block
+(DeepSeek-R1's template) makes the reply start inside it, a guided reply starts outside it;
+``include_reasoning: false`` drops it; tool calls are read from the content."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+
+from specdec import SamplingParams
+from specdec.llm import ChatOptions
+from specdec.serving import ServerConfig
+from specdec.serving.reasoning import ReasoningStream, prompt_opens, split
+
+from .conftest import MODEL
+from .test_tools import CALL_TEXT, TOOLS
+
+CHAT = [{"role": "user", "content": "Why is the sky blue?"}]
+# DeepSeek-R1's way: the template opens the thinking block, the reply starts inside it
+OPENING = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: <think>\n{% endif %}"
+)
+REPLIES = [
+    "<think>abc</think>xyz", "abc</think>xyz", "  <think>\nhmm</think>\n\nAnswer", "no tags",
+    "<think>cut off", "<thi", "", "<think></think>", "</think>after", "a</thi",
+    "<think>x</think>y</think>z", "<<think>", "<think><</think>>", "</think",
+]  # fmt: skip
+
+
+def streamed(text: str, pieces: list[str], opened: bool) -> tuple[str | None, str | None]:
+    stream = ReasoningStream(opened)
+    reasoning = content = ""
+    for piece in pieces:
+        more_reasoning, more_content = stream.feed(piece)
+        reasoning, content = reasoning + more_reasoning, content + more_content
+    more_reasoning, more_content = stream.finish()
+    reasoning, content = reasoning + more_reasoning, content + more_content
+    return (reasoning, content or None) if stream.thought else (None, content)
+
+
+@pytest.mark.parametrize("opened", [False, True])
+def test_a_stream_splits_as_the_whole_reply_whatever_the_chunks(opened):
+    rng = random.Random(0)
+    for text in REPLIES:
+        whole = split(text, opened)
+        chunkings = [[text[:k], text[k:]] for k in range(len(text) + 1)]
+        chunkings.append(list(text))  # a character at a time
+        for _ in range(30):
+            cuts = sorted(rng.sample(range(len(text) + 1), rng.randint(0, len(text))))
+            chunkings.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])])
+        for pieces in chunkings:
+            assert streamed(text, pieces, opened) == whole, (text, pieces)
+
+
+def test_the_split_of_a_whole_reply():
+    assert split("<think>abc</think>xyz", False) == ("abc", "xyz")
+    assert split("  <think>\nhmm</think>\n\nok", False) == ("\nhmm", "\n\nok")
+    assert split("abc</think>xyz", True) == ("abc", "xyz")  # the prompt opened the block
+    assert split("abc</think>xyz", False) == (None, "abc</think>xyz")  # never opened
+    assert split("still thinking", True) == ("still thinking", None)  # cut off inside it
+    assert split("<think>x</think>", False) == ("x", None)
+    assert split("plain", False) == (None, "plain")
+    assert prompt_opens("user: hi\nassistant: <think>\n")
+    assert not prompt_opens("<think>\n\n</think>\n\nassistant:")  # Qwen3, thinking disabled
+    assert not prompt_opens("user: what is <think>?\nassistant:")  # only the end counts
+
+
+@pytest.fixture(scope="module")
+def opening_served():
+    """A server splitting replies, whose chat template opens the thinking block."""
+    from .conftest import start_server
+
+    config = ServerConfig(
+        served_model_name=MODEL, reasoning_parser="deepseek_r1", chat_template=OPENING,
+        enable_auto_tool_choice=True, tool_call_parser="hermes",
+    )  # fmt: skip
+    served = start_server(config)
+    yield served
+    served.stop()
+
+
+def chat(served, stream: bool, **body) -> tuple[str | None, str | None, dict]:  # noqa: ANN001
+    """The reply's reasoning, content and last message or chunk (streamed: joined)."""
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 12, "temperature": 0, **body}
+    if not stream:
+        message = served.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert message.get("reasoning") == message.get("reasoning_content")
+        return message.get("reasoning"), message["content"], message
+    import httpx
+
+    with httpx.stream(
+        "POST", served.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=30
+    ) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: {")]  # fmt: skip
+    deltas = [c["delta"] for e in events for c in e["choices"]]
+    assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)
+    reasoning = "".join(d.get("reasoning") or "" for d in deltas)
+    content = "".join(d.get("content") or "" for d in deltas)
+    return reasoning or None, content or None, {"deltas": deltas}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_reply_in_an_opened_block_is_reasoning_until_it_closes(opening_served, offline, stream):
+    prompt = offline.render_chat(CHAT, ChatOptions(chat_template=OPENING))
+    plain = offline.generate(prompt, SamplingParams(max_tokens=12, temperature=0))[0].text
+    assert "</think>" not in plain  # the random model never closes it: all reasoning
+    reasoning, content, _ = chat(opening_served, stream)
+    assert (reasoning, content) == (plain, None)
+    reasoning, content, last = chat(opening_served, stream, include_reasoning=False)
+    assert (reasoning, content) == (None, None)
+    if not stream:
+        assert "reasoning" not in last and "reasoning_content" not in last
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_closed_block_splits_and_a_guided_reply_starts_outside(opening_served, stream):
+    regex = {"structured_outputs": {"regex": re.escape("<think>plan it</think>The answer.")}}
+    assert chat(opening_served, stream, max_tokens=60, **regex)[:2] == ("plan it", "The answer.")
+    free = {"structured_outputs": {"regex": "[a-z]{6}"}}  # guided: outside the opened block
+    reasoning, content, _ = chat(opening_served, stream, **free)
+    assert reasoning is None and content is not None and re.fullmatch("[a-z]{6}", content)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_calls_are_read_from_the_content(opening_served, stream):
+    text = "<think>call it</think>" + CALL_TEXT
+    body = {"tools": TOOLS, "max_tokens": 160, "structured_outputs": {"regex": re.escape(text)}}
+    reasoning, content, last = chat(opening_served, stream, **body)
+    assert reasoning == "call it" and content == "Let me look."
+    calls = last["tool_calls"] if not stream else [
+        t for d in last["deltas"] for t in d.get("tool_calls") or []
+    ]  # fmt: skip
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("weather", {"unit": "c"})
+    ]
+
+
+def test_without_a_parser_or_an_opened_block_the_reply_is_content(make_server, served):
+    reasoning, content, message = chat(served, False)  # no parser: no split, no fields
+    assert reasoning is None and content and "reasoning" not in message
+    parsed = make_server(ServerConfig(served_model_name=MODEL, reasoning_parser="qwen3"))
+    again = chat(parsed, False)  # the tiny template opens no block, the reply none
+    assert again[:2] == (None, content)
+
+
+def test_an_unknown_parser_is_refused():
+    with pytest.raises(ValueError, match="reasoning_parser must be one of deepseek_r1, qwen3"):
+        ServerConfig(reasoning_parser="r1")
