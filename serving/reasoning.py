@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from specdec.serving.protocol import ChatCompletionRequest
+    from specdec.outputs import RequestOutput
+    from specdec.serving.guided import GuidedFields
 
 START, END = "<think>", "</think>"
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # vLLM's names; both read <think> ... </think>
@@ -46,16 +47,15 @@ class ReasoningSplit:
         return ReasoningStream(self.opened)
 
 
-def reasoning_split(
-    parser: str | None, body: ChatCompletionRequest, prompt: str
-) -> ReasoningSplit | None:
-    """The split of a chat request's replies under the server's ``--reasoning-parser`` (None
+def reasoning_split(parser: str | None, body: GuidedFields, prompt: str) -> ReasoningSplit | None:
+    """The split of a request's replies under the server's ``--reasoning-parser`` (None
     without one). A guided reply (a response format, structured outputs, tool_choice "required"
     or a named function) starts outside any block whatever the prompt: its guide shapes it from
     the first token, so it holds reasoning only where the guide lets it open a block itself."""
     if parser is None:
         return None
-    return ReasoningSplit(prompt_opens(prompt) and not body.guide(), body.include_reasoning)
+    include = getattr(body, "include_reasoning", True)  # chat's field; the Responses API: true
+    return ReasoningSplit(prompt_opens(prompt) and not body.guide(), include)
 
 
 def prompt_opens(prompt: str) -> bool:
@@ -106,6 +106,15 @@ class ReasoningStream:
             reasoning, self.held = self.held[:end], self.held[end + len(END) :]
             self.phase = "answering"
         content, self.held = self.held, ""
+        return reasoning, content
+
+    def feed_delta(self, delta: RequestOutput) -> tuple[str, str]:
+        """The reasoning and the content a streamed delta lets out, with what was held back
+        when it is the last."""
+        reasoning, content = self.feed(delta.text)
+        if delta.finished:
+            more_reasoning, more_content = self.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
         return reasoning, content
 
     def finish(self) -> tuple[str, str]:

@@ -22,7 +22,7 @@ from specdec.serving.logprobs import (
     text_length,
     token_id_text,
 )
-from specdec.serving.reasoning import ReasoningSplit, ReasoningStream, split
+from specdec.serving.reasoning import ReasoningSplit, split
 from specdec.serving.responses import (
     AssistantMessage,
     ChatChoice,
@@ -215,7 +215,7 @@ async def chat_chunks(
     splits = [meta.reasoning.stream() for _ in held] if meta.reasoning is not None else None
     async for i, delta in generation.deltas():
         if splits is not None:  # the thinking goes out as reasoning, the rest on as the text
-            thinking, text = _split_delta(splits[i], delta)
+            thinking, text = splits[i].feed_delta(delta)
             if thinking and meta.reasoning is not None and meta.reasoning.include:
                 thought = ChatDelta(reasoning=thinking, reasoning_content=thinking)
                 yield chunk([ChatChunkChoice(index=i, delta=thought)])
@@ -283,16 +283,6 @@ def _split(text: str, meta: ResponseMeta) -> tuple[str | None, str | None]:
         return None, text
     reasoning, content = split(text, meta.reasoning.opened)
     return (reasoning if meta.reasoning.include else None), content
-
-
-def _split_delta(stream: ReasoningStream, delta: Any) -> tuple[str, str]:  # noqa: ANN401
-    """The reasoning and the content a streamed delta lets out (what was held back too, at
-    the end)."""
-    thinking, text = stream.feed(delta.text)
-    if delta.finished:
-        more_thinking, more_text = stream.finish()
-        thinking, text = thinking + more_thinking, text + more_text
-    return thinking, text
 
 
 def _calls(text: str, finish_reason: str | None, meta: ResponseMeta) -> list[Any] | None:

@@ -12,6 +12,7 @@ first text), and the calls, each a ``function_call`` item, whole at the end. Cut
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Literal
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from specdec.serving.generation import Generation
+from specdec.serving.reasoning import ReasoningSplit, split
 from specdec.serving.responses import new_id, now_s
 from specdec.serving.responses_store import ResponseStore, output_messages
 from specdec.serving.tool_parsers import CallParser, CallStream, ParsedReply
@@ -45,6 +47,21 @@ class OutputMessage(BaseModel):
     content: list[OutputText]
 
 
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    """A reasoning model's thinking, split from its reply under ``--reasoning-parser``."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = []
+    content: list[ReasoningText]
+    status: Status
+
+
 class FunctionCallItem(BaseModel):
     type: Literal["function_call"] = "function_call"
     id: str  # the item's
@@ -52,6 +69,9 @@ class FunctionCallItem(BaseModel):
     name: str
     arguments: str  # JSON text
     status: Status
+
+
+OutputItem = OutputMessage | FunctionCallItem | ReasoningItem
 
 
 class ResponseUsage(BaseModel):
@@ -74,7 +94,7 @@ class ResponseObject(BaseModel):
     instructions: str | None
     max_output_tokens: int | None
     model: str
-    output: list[OutputMessage | FunctionCallItem]
+    output: list[OutputItem]
     parallel_tool_calls: bool
     previous_response_id: str | None = None
     reasoning: None = None
@@ -100,9 +120,11 @@ class Reply:
         generation: Generation,
         auto_tools: CallParser | None = None,  # "auto": the parser of the calls
         store: ResponseStore | None = None,  # where the finished response is kept, if it is
+        reasoning: ReasoningSplit | None = None,  # --reasoning-parser's split of the reply
     ):
         self.body, self.model, self.generation = body, model, generation
-        self.auto_tools = auto_tools
+        self.auto_tools, self.reasoning = auto_tools, reasoning
+        self.reasoning_id = new_id("rs")
         self.store = store if body.store is not False else None
         self.id, self.message_id, self.created_at = new_id("resp"), new_id("msg"), now_s()
         # "auto", streamed: the text sent and the calls the stream's parser found
@@ -154,31 +176,44 @@ class Reply:
             metadata=body.metadata or {},
         )
 
-    def output(self, status: Status) -> list[OutputMessage | FunctionCallItem]:
-        """The finished reply's items: its function calls, or one message."""
+    def output(self, status: Status) -> list[OutputItem]:
+        """The finished reply's items: its thinking (split by ``--reasoning-parser``), then its
+        function calls, or one message (none for a reply cut off while thinking)."""
         choice = self.generation.choices[0]
+        thinking, answer = None, choice.text  # type: tuple[str | None, str | None]
+        if self.reasoning is not None:
+            thinking, answer = split(choice.text, self.reasoning.opened)
+        items: list[OutputItem] = [self.thought(thinking, status)] if thinking else []
         calls, said = None, None
         if self.body.calls_tools and choice.finish_reason == "stop":
             calls = tool_calls_of(choice.text, self.body.chat_tool_choice())
         elif self.auto_tools is not None and choice.finish_reason == "stop":
-            parsed = self.streamed or self.auto_tools.parse(choice.text)
+            parsed = self.streamed or self.auto_tools.parse(answer or "")
             calls, said = parsed.tool_calls or None, parsed.content
         if calls is None:
-            return [self.message(choice.text, status)]
-        text: list[OutputMessage | FunctionCallItem] = [self.message(said, status)] if said else []
-        return text + [
-            FunctionCallItem(
-                id=f"fc_{uuid.uuid4().hex}",
-                call_id=call.id,
-                name=call.function.name,
-                arguments=call.function.arguments,
-                status="completed",
-            )
-            for call in calls
-        ]
+            return items + ([self.message(answer, status)] if answer is not None else [])
+        text: list[OutputItem] = [self.message(said, status)] if said else []
+        return (
+            items
+            + text
+            + [
+                FunctionCallItem(
+                    id=f"fc_{uuid.uuid4().hex}",
+                    call_id=call.id,
+                    name=call.function.name,
+                    arguments=call.function.arguments,
+                    status="completed",
+                )
+                for call in calls
+            ]
+        )
 
     def message(self, text: str, status: Status) -> OutputMessage:
         return OutputMessage(id=self.message_id, status=status, content=[OutputText(text=text)])
+
+    def thought(self, text: str, status: Status) -> ReasoningItem:
+        content = [ReasoningText(text=text)] if text else []
+        return ReasoningItem(id=self.reasoning_id, content=content, status=status)
 
 
 def _dumped(value: Any) -> Any:
@@ -208,16 +243,30 @@ async def events(reply: Reply) -> AsyncIterator[Event]:
     yield event("in_progress", response=started)
     live = not reply.body.calls_tools  # text goes out as it comes; calls whole at the end
     auto = reply.auto_tools.stream() if reply.auto_tools is not None else None
+    splits = reply.reasoning.stream() if reply.reasoning is not None else None
     where = {"item_id": reply.message_id, "output_index": 0, "content_index": 0}
-    message_open = False  # at once for plain text, with its first text under "auto"
+    thinking = {"item_id": reply.reasoning_id, "output_index": 0, "content_index": 0}
+    thought_open = False  # the reasoning item, with the reply's first thinking
+    message_open = False  # at once for plain text, with its first text under "auto" or a split
     said = ""
     async for _, delta in reply.generation.deltas():
+        if splits is not None:  # the thinking goes out as reasoning, the rest on as the text
+            thought, answer = splits.feed_delta(delta)
+            if thought and not thought_open:
+                thought_open, where["output_index"] = True, 1
+                opening = reply.thought("", "in_progress")
+                yield event("output_item.added", output_index=0, item=opening)
+                yield event("content_part.added", **thinking, part=ReasoningText(text=""))
+            if thought:
+                yield event("reasoning_text.delta", **thinking, delta=thought)
+            delta = dataclasses.replace(delta, text=answer)
         text = delta.text if auto is None else _let_through(auto, delta)
-        if not live or not (text or auto is None):
+        if not live or not (text or (auto is None and splits is None)):
             continue
         if not message_open:
             message_open = True
-            yield event("output_item.added", output_index=0, item=reply.message("", "in_progress"))
+            message = reply.message("", "in_progress")
+            yield event("output_item.added", output_index=where["output_index"], item=message)
             yield event("content_part.added", **where, part=OutputText(text=""))
         if text:
             said += text
@@ -226,7 +275,9 @@ async def events(reply: Reply) -> AsyncIterator[Event]:
         reply.streamed = ParsedReply(said or None, auto.calls)
     done = reply.response(finished=True)
     for index, item in enumerate(done.output):
-        streamed = message_open and isinstance(item, OutputMessage)  # its text went out already
+        streamed = (message_open and isinstance(item, OutputMessage)) or (
+            thought_open and isinstance(item, ReasoningItem)
+        )  # its text went out already
         if not streamed:  # the item opens now, and its content comes whole
             opened = item.model_copy(update={"status": "in_progress"})
             if isinstance(item, FunctionCallItem):
@@ -234,7 +285,14 @@ async def events(reply: Reply) -> AsyncIterator[Event]:
             else:
                 opened = opened.model_copy(update={"content": []})
             yield event("output_item.added", output_index=index, item=opened)
-        if isinstance(item, FunctionCallItem):
+        if isinstance(item, ReasoningItem):
+            text = item.content[0].text if item.content else ""
+            if not streamed:
+                yield event("content_part.added", **thinking, part=ReasoningText(text=""))
+                yield event("reasoning_text.delta", **thinking, delta=text)
+            yield event("reasoning_text.done", **thinking, text=text)
+            yield event("content_part.done", **thinking, part=ReasoningText(text=text))
+        elif isinstance(item, FunctionCallItem):
             call = {"item_id": item.id, "output_index": index}
             yield event("function_call_arguments.delta", **call, delta=item.arguments)
             yield event("function_call_arguments.done", **call, arguments=item.arguments)

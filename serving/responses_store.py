@@ -66,13 +66,14 @@ class ResponseStore:
 
 def output_messages(response: ResponseObject) -> list[ChatMessage]:
     """A finished response's output as chat messages: its text as the assistant's, its function
-    calls as an assistant message's calls."""
+    calls as an assistant message's calls (its thinking is not carried, as chat templates drop
+    earlier turns' thinking)."""
     messages = []
     for item in response.output:
         if item.type == "message":
             text = "".join(part.text for part in item.content)
             messages.append(ChatMessage(role="assistant", content=text))
-        else:
+        elif item.type == "function_call":
             function = {"name": item.name, "arguments": item.arguments}
             call = {"id": item.call_id, "type": "function", "function": function}
             messages.append(ChatMessage(role="assistant", tool_calls=[call]))

@@ -153,3 +153,27 @@ def test_without_a_parser_or_an_opened_block_the_reply_is_content(make_server, s
 def test_an_unknown_parser_is_refused():
     with pytest.raises(ValueError, match="reasoning_parser must be one of deepseek_r1, qwen3"):
         ServerConfig(reasoning_parser="r1")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_responses_api_gives_the_thinking_as_a_reasoning_item(opening_served, stream):
+    text = "<think>plan it</think>The answer."
+    body = {"model": MODEL, "input": "Why?", "max_output_tokens": 60, "temperature": 0,
+            "extra_body": {"guided_regex": re.escape(text)}}  # fmt: skip
+    client = opening_served.client()
+    if stream:
+        events = list(client.responses.create(**body, stream=True))  # type: ignore[call-overload]
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+        said = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert (thought, said) == ("plan it", "The answer.")
+        added = [e.output_index for e in events if e.type == "response.output_item.added"]
+        assert added == [0, 1]
+        out = events[-1].response
+    else:
+        out = client.responses.create(**body)  # type: ignore[call-overload]
+    assert [item.type for item in out.output] == ["reasoning", "message"]
+    assert out.output[0].content[0].text == "plan it" and out.output_text == "The answer."
+    cut = client.responses.create(model=MODEL, input="Why?", max_output_tokens=8)
+    assert [item.type for item in cut.output] == ["reasoning"]  # cut off while thinking
+    assert cut.status == "incomplete" and cut.output_text == ""
