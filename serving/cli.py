@@ -237,7 +237,7 @@ def serve(
     log_level: str,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
-    /v1/responses, /v1/embeddings)."""
+    /v1/responses, /v1/embeddings, and vLLM's /score and /rerank)."""
     from specdec.llm import LLM
     from specdec.serving.app import ServerConfig, build_app
 

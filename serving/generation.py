@@ -161,8 +161,9 @@ class Generation:
             params = request.params
             if not isinstance(params, SamplingParams):  # an embedding: nothing to compile
                 continue
-            key = (params.regex, str(params.json_schema))
-            if (params.regex is not None or params.json_schema is not None) and key not in seen:
+            key = (params.regex, str(params.json_schema), str(params.choice), params.guide_after)
+            compiled = params.regex is not None or params.json_schema is not None
+            if (compiled or params.guide_after is not None) and key not in seen:
                 seen.add(key)
                 await asyncio.to_thread(guides.for_params, params)
 

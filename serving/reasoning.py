@@ -15,6 +15,12 @@ sides, the same for either parser name:
   it ``content`` (None where empty); a reply cut off before the closing tag is all reasoning;
 - a reply that never opens the block is all content.
 
+A guided request (a response format, structured outputs, tool_choice "required" or a named
+function) whose prompt opens the block is guided only after the closing tag
+(:func:`guide_after`, :mod:`specdec.structured.after`): the model thinks freely, then answers in
+the required form, as vLLM's reasoning-aware structured outputs do. Where the prompt opens no
+block, the guide shapes the reply from its first token.
+
 A stream splits the same way, delta by delta: text that may still be the start of a tag is held
 back until the next delta decides it, so that the reasoning and content deltas of a stream add
 up to the split of the whole reply, wherever the tokens break the tags (tested over every
@@ -49,13 +55,18 @@ class ReasoningSplit:
 
 def reasoning_split(parser: str | None, body: GuidedFields, prompt: str) -> ReasoningSplit | None:
     """The split of a request's replies under the server's ``--reasoning-parser`` (None
-    without one). A guided reply (a response format, structured outputs, tool_choice "required"
-    or a named function) starts outside any block whatever the prompt: its guide shapes it from
-    the first token, so it holds reasoning only where the guide lets it open a block itself."""
+    without one)."""
     if parser is None:
         return None
     include = getattr(body, "include_reasoning", True)  # chat's field; the Responses API: true
-    return ReasoningSplit(prompt_opens(prompt) and not body.guide(), include)
+    return ReasoningSplit(prompt_opens(prompt), include)
+
+
+def guide_after(split: ReasoningSplit | None, body: GuidedFields) -> str | None:
+    """Where a guided request's guide starts (``SamplingParams.guide_after``): after the
+    closing tag when its prompt opens a thinking block, so that the model thinks freely first
+    (vLLM's reasoning-aware structured outputs); else (None) from the first token."""
+    return END if split is not None and split.opened and body.guide() else None
 
 
 def prompt_opens(prompt: str) -> bool:

@@ -162,7 +162,7 @@ def chat_response(generation: Generation, meta: ResponseMeta) -> ChatCompletionR
             content=content, reasoning=reasoning, reasoning_content=reasoning
         )
         reason = c.finish_reason
-        calls = _calls(c.text, reason, meta)
+        calls = _calls(text or "", reason, meta)
         if calls is not None:
             message, reason = ToolCallsMessage(tool_calls=calls), _calls_reason(meta)
         elif meta.auto_tools is not None and reason == "stop":

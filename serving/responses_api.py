@@ -34,7 +34,7 @@ from specdec.serving.protocol import (
     GenerationFields,
     template_message,
 )
-from specdec.serving.reasoning import reasoning_split
+from specdec.serving.reasoning import guide_after, reasoning_split
 from specdec.serving.responses_render import Reply, ResponseObject, events
 from specdec.serving.responses_store import ResponseStore
 from specdec.serving.routes import (
@@ -271,8 +271,8 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
     names = auto_tools(state, body)
     text = await render_chat(state, body.conversation(), body.chat_options(), "input")
     prompt = await tokenize(state, text, body.longer_part())
-    generation = make_generation(state, body, [prompt], "input")
     reasoning = reasoning_split(state.config.reasoning_parser, body, text)
+    generation = make_generation(state, body, [prompt], "input", guide_after(reasoning, body))
     reply = Reply(body, state.model_name, generation, names, state.responses, reasoning)
     return await respond(
         request,

@@ -186,7 +186,7 @@ class Reply:
         items: list[OutputItem] = [self.thought(thinking, status)] if thinking else []
         calls, said = None, None
         if self.body.calls_tools and choice.finish_reason == "stop":
-            calls = tool_calls_of(choice.text, self.body.chat_tool_choice())
+            calls = tool_calls_of(answer or "", self.body.chat_tool_choice())
         elif self.auto_tools is not None and choice.finish_reason == "stop":
             parsed = self.streamed or self.auto_tools.parse(answer or "")
             calls, said = parsed.tool_calls or None, parsed.content

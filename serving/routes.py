@@ -32,7 +32,7 @@ from specdec.serving.protocol import (
     CompletionRequest,
     GenerationFields,
 )
-from specdec.serving.reasoning import reasoning_split
+from specdec.serving.reasoning import guide_after, reasoning_split
 from specdec.serving.render import (
     ResponseMeta,
     chat_chunks,
@@ -145,7 +145,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     names = auto_tools(state, body)
     text = await render_chat(state, body.conversation(), body.chat_options())
     prompt = await tokenize(state, text, "messages", body.truncate_prompt_tokens)
-    generation = make_generation(state, body, [prompt], "messages")
+    split = reasoning_split(state.config.reasoning_parser, body, text)
+    generation = make_generation(state, body, [prompt], "messages", guide_after(split, body))
     echoed = body.echoed_text()
     echo = None if echoed is None else [echoed] * len(generation.choices)
     meta = ResponseMeta(
@@ -155,7 +156,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         prompt_logprobs=show_prompt_logprobs,
         tool_choice=body.tool_choice if body.calls_tools else None,
         auto_tools=names,
-        reasoning=reasoning_split(state.config.reasoning_parser, body, text),
+        reasoning=split,
         token_ids=as_token_ids(state, body),
         continuous_usage=body.continuous_usage,
     )
@@ -286,11 +287,16 @@ def as_token_ids(state: ServerState, body: GenerationFields) -> bool:
 
 
 def make_generation(
-    state: ServerState, body: GenerationFields, prompts: list[list[int]], prompt_param: str
+    state: ServerState,
+    body: GenerationFields,
+    prompts: list[list[int]],
+    prompt_param: str,
+    guide_after: str | None = None,
 ) -> Generation:
     """One request per prompt and choice (prompt-major), with max_tokens fitted to the context
     (``max_tokens`` 0, allowed with echo, generates one token that the generation drops); with
-    ``use_beam_search``, a beam search per prompt (specdec/serving/beams.py)."""
+    ``use_beam_search``, a beam search per prompt (specdec/serving/beams.py). ``guide_after``:
+    the guide starts after that text (a reasoning model's, see reasoning.py)."""
     max_model_len, defaults = state.llm.engine.max_model_len, state.llm.sampling_defaults
     check_priority_allowed(state, body.priority)
     fit = partial(fit_max_tokens, body, max_model_len=max_model_len, cap=defaults.get("max_tokens"))
@@ -303,6 +309,7 @@ def make_generation(
         for choice in range(body.n or 1):
             try:
                 params = body.sampling_params(max(max_tokens, 1), choice, defaults)
+                params = dataclasses.replace(params, guide_after=guide_after or None)
             except ValueError as e:
                 raise APIError(400, str(e), param=body.param_of(str(e).split(" ")[0])) from e
             requests.append(

@@ -13,9 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
-from specdec.structured.json_schema import schema_regex
-from specdec.structured.params import StructuredOutputsParams
-from specdec.structured.regex import check_regex
+from specdec.structured.params import StructuredOutputsParams, check_guides
 
 # Temperatures below this decode greedily, as in vLLM: at 1e-38 and below, logits / temperature
 # overflows float32 and the distribution becomes NaN, and long before that it is one-hot anyway.
@@ -83,6 +81,9 @@ class SamplingParams:
     json_schema: dict[str, Any] | str | None = None
     # vLLM's form of the three above (see StructuredOutputsParams)
     structured_outputs: StructuredOutputsParams | None = None
+    # the guide above applies after this text first ends the output (a reasoning model's
+    # "</think>": vLLM's reasoning-aware structured outputs); before it the output is free
+    guide_after: str | None = None
     # completions per prompt in LLM.generate (vLLM's n); completion i of a seeded request uses
     # seed + i, as the server's choices do
     n: int = 1
@@ -237,34 +238,7 @@ class SamplingParams:
             f"num_speculative_tokens must be a non-negative integer, got "
             f"{self.num_speculative_tokens!r}",
         )
-        _check(
-            self.choice is None
-            or (
-                isinstance(self.choice, list)
-                and len(self.choice) > 0
-                and all(isinstance(c, str) and c for c in self.choice)
-            ),
-            f"choice must be a non-empty list of non-empty strings, got {self.choice!r}",
-        )
-        _check(
-            self.regex is None or (isinstance(self.regex, str) and self.regex != ""),
-            f"regex must be a non-empty string, got {self.regex!r}",
-        )
-        _check(
-            self.json_schema is None or isinstance(self.json_schema, (dict, str)),
-            f"json_schema must be a dict or its JSON text, got {type(self.json_schema).__name__}",
-        )
-        if self.regex is not None:  # the syntax now; the DFA when the request is added
-            check_regex(self.regex)
-        if self.json_schema is not None:
-            check_regex(schema_regex(self.json_schema))
-        guides = [n for n in ("choice", "regex", "json_schema") if getattr(self, n) is not None]
-        _check(len(guides) <= 1, f"give one of choice, regex and json_schema, not {guides}")
-        _check(
-            not guides or not (self.ignore_eos or self.min_tokens),
-            f"{guides[0] if guides else ''} ends the output where it is complete: leave "
-            f"ignore_eos and min_tokens unset",
-        )
+        check_guides(self)  # choice, regex, json_schema and guide_after
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(

@@ -15,6 +15,7 @@ built lazily and bounded).
 
 from __future__ import annotations
 
+import re
 import threading
 from collections import OrderedDict
 from typing import Any, Protocol
@@ -22,6 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from specdec.structured.after import after_text
 from specdec.structured.json_schema import schema_regex
 from specdec.structured.regex import DEAD, DFA, compile_regex
 
@@ -160,6 +162,29 @@ class RegexGuide:
         return mask
 
 
+class AfterTextGuide(RegexGuide):
+    """A :class:`RegexGuide` over :func:`~specdec.structured.after.after_text`'s DFA: in the
+    states before the text (``1 .. text_length``) the output is free, special tokens included:
+    a token that spells nothing (but an end-of-sequence id, which ends the output) is allowed
+    there and leaves the state as it is."""
+
+    def __init__(self, dfa: DFA, vocabulary: Vocabulary, text_length: int):
+        super().__init__(dfa, vocabulary)
+        self.text_length = text_length
+        unspelled = np.array([not b for b in vocabulary.spelled], bool)
+        unspelled[vocabulary.eos_token_ids] = False
+        self.unspelled = torch.from_numpy(unspelled)  # [V]
+
+    def advance(self, state: int, token: int) -> int | None:
+        if 1 <= state <= self.text_length and bool(self.unspelled[token]):
+            return state
+        return super().advance(state, token)
+
+    def allowed(self, state: int) -> torch.Tensor:
+        mask = super().allowed(state)
+        return mask | self.unspelled if 1 <= state <= self.text_length else mask
+
+
 class GuideFactory:
     """An engine's guides: compiled patterns kept (least recently used out) across requests."""
 
@@ -178,25 +203,37 @@ class GuideFactory:
             raise ValueError(
                 "guided decoding needs the model's tokenizer and end-of-sequence token"
             )
-        if params.choice is not None:
+        after = params.guide_after
+        if params.choice is not None and after is None:
             return ChoiceGuide(params.choice, self.tokenizer, self.eos_token_ids)
+        if params.choice is not None:  # after a text, the choices' bytes, however tokenized
+            return self._regex("|".join(re.escape(c) for c in params.choice), after)
         if params.regex is not None:
-            return self._regex(params.regex)
-        return self._regex(schema_regex(params.json_schema))
+            return self._regex(params.regex, after)
+        return self._regex(schema_regex(params.json_schema), after)
 
-    def _regex(self, pattern: str) -> RegexGuide:
-        """The pattern's guide, compiled once (the server compiles it on a worker thread before
-        the engine's thread asks for it: the cache is shared under a lock)."""
+    def _regex(self, pattern: str, after: str | None = None) -> RegexGuide:
+        """The pattern's guide (applied after the text ``after``, if given: see
+        :mod:`specdec.structured.after`), compiled once (the server compiles it on a worker
+        thread before the engine's thread asks for it: the cache is shared under a lock)."""
+        key = pattern if after is None else f"{after}\0{pattern}"
         with self._lock:
-            guide = self._cache.get(pattern)
+            guide = self._cache.get(key)
             if guide is not None:
-                self._cache.move_to_end(pattern)
+                self._cache.move_to_end(key)
                 return guide
             if self._vocabulary is None:
                 self._vocabulary = Vocabulary(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        guide = RegexGuide(compile_regex(pattern), self._vocabulary)
+        dfa = compile_regex(pattern)
+        guide = (
+            RegexGuide(dfa, self._vocabulary)
+            if after is None
+            else AfterTextGuide(
+                after_text(after.encode(), dfa), self._vocabulary, len(after.encode())
+            )
+        )
         with self._lock:
-            self._cache[pattern] = guide
+            self._cache[key] = guide
             if len(self._cache) > GUIDE_CACHE:
                 self._cache.popitem(last=False)
         return guide

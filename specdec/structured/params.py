@@ -1,10 +1,14 @@
 """vLLM's ``StructuredOutputsParams``: the structured-output request that
-:class:`specdec.config.SamplingParams` takes as ``structured_outputs``."""
+:class:`specdec.config.SamplingParams` takes as ``structured_outputs``; and the checks of
+``SamplingParams``' guide fields."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from specdec.structured.json_schema import schema_regex
+from specdec.structured.regex import check_regex
 
 
 @dataclass(slots=True)
@@ -42,3 +46,49 @@ class StructuredOutputsParams:
         if len(kinds) != 1:
             raise ValueError(f"structured_outputs needs exactly one kind, got {kinds or 'none'}")
         return given
+
+
+def check_guides(params: Any) -> None:  # noqa: ANN401 - a SamplingParams (which imports this)
+    """Validate a ``SamplingParams``' guide fields (``choice``, ``regex``, ``json_schema``,
+    ``guide_after``); ValueError naming the field. A pattern's syntax is checked now, its DFA
+    built when the request is added."""
+    choice, regex, schema, after = (
+        params.choice,
+        params.regex,
+        params.json_schema,
+        params.guide_after,
+    )
+    _require(
+        choice is None
+        or (isinstance(choice, list) and choice and all(isinstance(c, str) and c for c in choice)),
+        f"choice must be a non-empty list of non-empty strings, got {choice!r}",
+    )
+    _require(
+        regex is None or (isinstance(regex, str) and regex != ""),
+        f"regex must be a non-empty string, got {regex!r}",
+    )
+    _require(
+        schema is None or isinstance(schema, (dict, str)),
+        f"json_schema must be a dict or its JSON text, got {type(schema).__name__}",
+    )
+    if regex is not None:
+        check_regex(regex)
+    if schema is not None:
+        check_regex(schema_regex(schema))
+    guides = [n for n in ("choice", "regex", "json_schema") if getattr(params, n) is not None]
+    _require(len(guides) <= 1, f"give one of choice, regex and json_schema, not {guides}")
+    _require(
+        not guides or not (params.ignore_eos or params.min_tokens),
+        f"{guides[0] if guides else ''} ends the output where it is complete: leave "
+        f"ignore_eos and min_tokens unset",
+    )
+    _require(
+        after is None or (isinstance(after, str) and after != "" and bool(guides)),
+        f"guide_after must be a non-empty string, with a choice, regex or json_schema to apply "
+        f"after it; got {after!r}" + ("" if guides else " and no guide"),
+    )
+
+
+def _require(ok: Any, message: str) -> None:  # noqa: ANN401
+    if not ok:
+        raise ValueError(message)

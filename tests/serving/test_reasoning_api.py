@@ -71,16 +71,27 @@ def test_the_split_of_a_whole_reply():
     assert not prompt_opens("user: what is <think>?\nassistant:")  # only the end counts
 
 
+def parsing_server(**config):  # noqa: ANN003, ANN201
+    from .conftest import start_server
+
+    return start_server(
+        ServerConfig(served_model_name=MODEL, reasoning_parser="deepseek_r1", **config)
+    )
+
+
 @pytest.fixture(scope="module")
 def opening_served():
     """A server splitting replies, whose chat template opens the thinking block."""
-    from .conftest import start_server
+    served = parsing_server(chat_template=OPENING)
+    yield served
+    served.stop()
 
-    config = ServerConfig(
-        served_model_name=MODEL, reasoning_parser="deepseek_r1", chat_template=OPENING,
-        enable_auto_tool_choice=True, tool_call_parser="hermes",
-    )  # fmt: skip
-    served = start_server(config)
+
+@pytest.fixture(scope="module")
+def parsed_served():
+    """A server splitting replies, whose chat template opens no block (the reply may), and
+    reading tool calls under "auto"."""
+    served = parsing_server(enable_auto_tool_choice=True, tool_call_parser="hermes")
     yield served
     served.stop()
 
@@ -120,19 +131,31 @@ def test_a_reply_in_an_opened_block_is_reasoning_until_it_closes(opening_served,
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_closed_block_splits_and_a_guided_reply_starts_outside(opening_served, stream):
+def test_a_block_the_reply_opens_and_closes_splits(parsed_served, stream):
     regex = {"structured_outputs": {"regex": re.escape("<think>plan it</think>The answer.")}}
-    assert chat(opening_served, stream, max_tokens=60, **regex)[:2] == ("plan it", "The answer.")
-    free = {"structured_outputs": {"regex": "[a-z]{6}"}}  # guided: outside the opened block
-    reasoning, content, _ = chat(opening_served, stream, **free)
+    assert chat(parsed_served, stream, max_tokens=60, **regex)[:2] == ("plan it", "The answer.")
+    free = {"structured_outputs": {"regex": "[a-z]{6}"}}  # no block: guided from the start
+    reasoning, content, _ = chat(parsed_served, stream, **free)
     assert reasoning is None and content is not None and re.fullmatch("[a-z]{6}", content)
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_calls_are_read_from_the_content(opening_served, stream):
+def test_a_guide_starts_after_an_opened_block_closes(opening_served, offline, stream):
+    """vLLM's reasoning-aware structured outputs: the thinking is free (the random model never
+    closes it, so the reply is the unguided one, all reasoning), the guide waits for
+    ``</think>`` (its effect after it: tests/test_guide_after.py)."""
+    prompt = offline.render_chat(CHAT, ChatOptions(chat_template=OPENING))
+    plain = offline.generate(prompt, SamplingParams(max_tokens=12, temperature=0))[0].text
+    for guide in ({"regex": "[a-z]{6}"}, {"choice": ["yes", "no"]}):
+        got = chat(opening_served, stream, structured_outputs=guide)
+        assert got[:2] == (plain, None)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_calls_are_read_from_the_content(parsed_served, stream):
     text = "<think>call it</think>" + CALL_TEXT
     body = {"tools": TOOLS, "max_tokens": 160, "structured_outputs": {"regex": re.escape(text)}}
-    reasoning, content, last = chat(opening_served, stream, **body)
+    reasoning, content, last = chat(parsed_served, stream, **body)
     assert reasoning == "call it" and content == "Let me look."
     calls = last["tool_calls"] if not stream else [
         t for d in last["deltas"] for t in d.get("tool_calls") or []
@@ -156,11 +179,13 @@ def test_an_unknown_parser_is_refused():
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_the_responses_api_gives_the_thinking_as_a_reasoning_item(opening_served, stream):
+def test_the_responses_api_gives_the_thinking_as_a_reasoning_item(
+    parsed_served, opening_served, stream
+):
     text = "<think>plan it</think>The answer."
     body = {"model": MODEL, "input": "Why?", "max_output_tokens": 60, "temperature": 0,
             "extra_body": {"guided_regex": re.escape(text)}}  # fmt: skip
-    client = opening_served.client()
+    client = parsed_served.client()
     if stream:
         events = list(client.responses.create(**body, stream=True))  # type: ignore[call-overload]
         assert [e.sequence_number for e in events] == list(range(len(events)))
@@ -174,6 +199,6 @@ def test_the_responses_api_gives_the_thinking_as_a_reasoning_item(opening_served
         out = client.responses.create(**body)  # type: ignore[call-overload]
     assert [item.type for item in out.output] == ["reasoning", "message"]
     assert out.output[0].content[0].text == "plan it" and out.output_text == "The answer."
-    cut = client.responses.create(model=MODEL, input="Why?", max_output_tokens=8)
+    cut = opening_served.client().responses.create(model=MODEL, input="Why?", max_output_tokens=8)
     assert [item.type for item in cut.output] == ["reasoning"]  # cut off while thinking
     assert cut.status == "incomplete" and cut.output_text == ""
