@@ -44,6 +44,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 _ARCHITECTURE_BY_MODEL_TYPE = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
 
@@ -75,8 +76,7 @@ class LoadedCheckpoint:
     tokenizer: transformers.PreTrainedTokenizerBase
     name: str  # display name: the path, or DEFAULT_MODEL_NAME
     gguf_path: pathlib.Path | None = None  # the GGUF file the weights come from, if any
-    # the model's generation config (generation_config.json), if any: its end-of-sequence ids
-    # end sequences, its sampling fields are defaults (see specdec.generation_defaults)
+    # its generation config (generation_config.json), if any: end-of-sequence ids and defaults
     generation_config: transformers.GenerationConfig | None = None
 
 

@@ -119,16 +119,19 @@ def test_model_logits_do_not_depend_on_how_positions_are_batched(
 
 @pytest.mark.skipif(not cpu_ops.enabled(), reason="no fused CPU kernels")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # q/k/v biases; per-head q/k norms
 def test_model_logits_on_the_cpu_kernels_do_not_depend_on_how_positions_are_batched(
-    dtype: torch.dtype,
+    dtype: torch.dtype, arch: str
 ) -> None:
     """On the C++ kernels, float32 (linears packed in lanes) as well as bfloat16."""
-    _check_model_logits(dtype, True)
+    _check_model_logits(dtype, True, arch)
 
 
-def _check_model_logits(dtype: torch.dtype, batch_invariant: bool | None) -> None:
+def _check_model_logits(
+    dtype: torch.dtype, batch_invariant: bool | None, arch: str = "qwen2"
+) -> None:
     torch.manual_seed(0)
-    hf = tiny_model("qwen2")
+    hf = tiny_model(arch)
     state = {k: v.to(dtype) for k, v in hf.state_dict().items()}
     model = LlamaForCausalLM.from_hf(hf.config, state, 256, batch_invariant=batch_invariant)
     assert model.batch_invariant

@@ -19,7 +19,7 @@ def assert_matches_transformers(llm, prompts, params=GREEDY):
     return outputs
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
 def test_greedy_matches_transformers_on_mixed_batch(make_llm, arch):
     assert_matches_transformers(make_llm(arch), PROMPTS)
 

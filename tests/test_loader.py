@@ -28,6 +28,7 @@ CONFIG_CLASSES = {
     "llama": transformers.LlamaConfig,
     "mistral": transformers.MistralConfig,
     "qwen2": transformers.Qwen2Config,
+    "qwen3": transformers.Qwen3Config,
 }
 # Printable byte-level symbols (GPT-2's byte-to-unicode table maps these bytes to themselves).
 SYMBOLS = [chr(c) for c in range(33, 127)] + [chr(c) for c in range(161, 161 + 31)]
@@ -83,7 +84,8 @@ def assert_same_tensors(actual: dict[str, torch.Tensor], expected: dict[str, tor
 
 
 @pytest.mark.parametrize(
-    ("family", "tied"), [("llama", False), ("mistral", False), ("qwen2", True)]
+    ("family", "tied"),
+    [("llama", False), ("mistral", False), ("qwen2", True), ("qwen3", True)],
 )
 def test_directory_load_matches_saved_model(
     tmp_path: pathlib.Path, family: str, tied: bool

@@ -40,7 +40,7 @@ class ScriptedDrafter(DrafterBase):
             seq.spec_token_ids = drafts
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_prompt_lookup_greedy_equals_plain_decoding(make_llm, arch):
     llm = make_llm(arch, speculative=FIXED_K, block_size=4)
     outputs = llm.generate(REPETITIVE, GREEDY)

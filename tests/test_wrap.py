@@ -42,7 +42,7 @@ def left_padded(tokenizer, texts: list[str], pad: int = 0):  # noqa: ANN001, ANN
     return ids, mask
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_greedy_equals_transformers(arch, batch):
     model, tokenizer = model_and_tokenizer(arch)

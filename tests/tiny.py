@@ -12,6 +12,8 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 VOCAB = 300  # 256 byte tokens + specials + spare ids
@@ -54,6 +56,8 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides):  # noqa: ANN201
         model = Qwen2ForCausalLM(Qwen2Config(**kwargs))
     elif arch == "mistral":
         model = MistralForCausalLM(MistralConfig(sliding_window=None, **kwargs))
+    elif arch == "qwen3":  # head_dim given: Qwen3's default (128) is not hidden / heads
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **kwargs))
     else:
         raise ValueError(arch)
     return model.eval()

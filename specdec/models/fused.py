@@ -53,6 +53,8 @@ class FusedStack:
         kernels = cpu_ops.extension()
         if kernels is None or model.embed_tokens.weight.device.type != "cpu":
             return None
+        if model.config.qk_norm:  # the C++ layers have no per-head norms (Qwen3's)
+            return None
         linears = []
         layers: list[Any] = list(model.layers)
         for layer in layers:

@@ -1,7 +1,8 @@
-"""The Llama family (Llama, Mistral, Qwen2, SmolLM) on a paged KV cache.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM) on a paged KV cache.
 
 One implementation with per-architecture switches read from the Hugging Face config: Qwen2 adds
-a bias to the q/k/v projections; embeddings are tied or not; grouped-query attention; RoPE with
+a bias to the q/k/v projections, Qwen3 an RMS norm on each query and key head; embeddings are
+tied or not; grouped-query attention; RoPE with
 the config's theta and scaling (computed by transformers' own RoPE init functions, so every
 variant it knows matches). q/k/v and gate/up projections are fused into one matmul each, which
 matters when decode is bound by per-matmul overhead. The model never allocates KV: the runner
@@ -45,6 +46,7 @@ class ModelArchConfig:
     head_dim: int
     rms_norm_eps: float
     qkv_bias: bool  # Qwen2 has biases on q, k and v
+    qk_norm: bool  # Qwen3 RMS-norms each query and key head before RoPE
     tie_word_embeddings: bool
     max_position_embeddings: int
 
@@ -61,6 +63,7 @@ class ModelArchConfig:
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
             rms_norm_eps=config.rms_norm_eps,
             qkv_bias=config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
+            qk_norm=config.model_type == "qwen3",
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             max_position_embeddings=config.max_position_embeddings,
         )
@@ -137,6 +140,9 @@ class Attention(nn.Module):
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias
         )
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        # Qwen3: each head's query and key RMS-normed over its dims (HF's q_norm, k_norm)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
         self.k_cache = torch.empty(0)  # views of the runner's KV tensors, set by the runner
         self.v_cache = torch.empty(0)
@@ -149,6 +155,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj.forward(x)  # [N, (Hq + 2 Hkv) D]
+        if self.q_norm is not None and self.k_norm is not None:
+            self._norm_heads(qkv, n, self.q_norm, self.k_norm)
         # Rotate queries and keys in place, in one pass, then split by head.
         cpu_ops.rope_(qkv, *rope, self.num_heads + self.num_kv_heads, self.head_dim)
         q, k, v = qkv.view(n, -1, self.head_dim).split(
@@ -156,6 +164,15 @@ class Attention(nn.Module):
         )
         out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj.forward(out.reshape(n, self.q_size))
+
+    def _norm_heads(self, qkv: torch.Tensor, n: int, q_norm: RMSNorm, k_norm: RMSNorm) -> None:
+        """Qwen3's query and key norms, in place: every head's ``head_dim`` values RMS-normed,
+        row by row (so a row's result does not depend on the step's other rows)."""
+        d, q_end, k_end = self.head_dim, self.q_size, self.q_size + self.kv_size
+        q = qkv[:, :q_end].reshape(n * self.num_heads, d)  # [N Hq, D], a copy
+        k = qkv[:, q_end:k_end].reshape(n * self.num_kv_heads, d)  # [N Hkv, D]
+        qkv[:, :q_end] = q_norm.forward(q).view(n, self.q_size)
+        qkv[:, q_end:k_end] = k_norm.forward(k).view(n, self.kv_size)
 
 
 class MLP(nn.Module):

@@ -16,7 +16,7 @@ UNTIED = {"tie_word_embeddings": False}  # so that the head can be quantized apa
 
 
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
 def test_quantized_model_computes_its_dequantized_weights(make_llm, arch, quantization):
     """Greedy output equals transformers' on the dequantized weights (and, for w4a8 and w8a8,
     each linear's input rounded to int8 per group): every linear (fused q/k/v and gate/up,
