@@ -161,7 +161,8 @@ class Generation:
             params = request.params
             if not isinstance(params, SamplingParams):  # an embedding: nothing to compile
                 continue
-            key = (params.regex, str(params.json_schema), str(params.choice), params.guide_after)
+            key = (params.regex, str(params.json_schema), str(params.choice), params.guide_after,
+                   params.guide_after_opening)  # fmt: skip
             compiled = params.regex is not None or params.json_schema is not None
             if (compiled or params.guide_after is not None) and key not in seen:
                 seen.add(key)

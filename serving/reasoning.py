@@ -16,10 +16,10 @@ sides, the same for either parser name:
 - a reply that never opens the block is all content.
 
 A guided request (a response format, structured outputs, tool_choice "required" or a named
-function) whose prompt opens the block is guided only after the closing tag
-(:func:`guide_after`, :mod:`specdec.structured.after`): the model thinks freely, then answers in
-the required form, as vLLM's reasoning-aware structured outputs do. Where the prompt opens no
-block, the guide shapes the reply from its first token.
+function) is guided only after the closing tag (:func:`guide_after`,
+:mod:`specdec.structured.after`): the model thinks freely, then answers in the required form, as
+vLLM's reasoning-aware structured outputs do. Where the prompt opens no block, a reply that opens
+one itself thinks freely the same way, and one that does not is guided from its first token.
 
 A stream splits the same way, delta by delta: text that may still be the start of a tag is held
 back until the next delta decides it, so that the reasoning and content deltas of a stream add
@@ -31,7 +31,7 @@ splits as one spelled in one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from specdec.outputs import RequestOutput
@@ -62,11 +62,17 @@ def reasoning_split(parser: str | None, body: GuidedFields, prompt: str) -> Reas
     return ReasoningSplit(prompt_opens(prompt), include)
 
 
-def guide_after(split: ReasoningSplit | None, body: GuidedFields) -> str | None:
-    """Where a guided request's guide starts (``SamplingParams.guide_after``): after the
-    closing tag when its prompt opens a thinking block, so that the model thinks freely first
-    (vLLM's reasoning-aware structured outputs); else (None) from the first token."""
-    return END if split is not None and split.opened and body.guide() else None
+def guide_after(split: ReasoningSplit | None, body: GuidedFields) -> dict[str, Any]:
+    """Where a guided request's guide starts, as ``SamplingParams`` fields: after the closing
+    tag, so that the model thinks freely first (vLLM's reasoning-aware structured outputs),
+    straight away when its prompt opens a thinking block, else where the reply opens one
+    itself (``guide_after_opening``; a reply that does not is guided from its first token).
+    Nothing without a parser or a guide."""
+    if split is None or not body.guide():
+        return {}
+    return (
+        {"guide_after": END} if split.opened else {"guide_after": END, "guide_after_opening": START}
+    )
 
 
 def prompt_opens(prompt: str) -> bool:

@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Callable
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 from fastapi import APIRouter, Request
@@ -291,12 +291,12 @@ def make_generation(
     body: GenerationFields,
     prompts: list[list[int]],
     prompt_param: str,
-    guide_after: str | None = None,
+    guide_fields: dict[str, Any] | None = None,
 ) -> Generation:
     """One request per prompt and choice (prompt-major), with max_tokens fitted to the context
     (``max_tokens`` 0, allowed with echo, generates one token that the generation drops); with
-    ``use_beam_search``, a beam search per prompt (specdec/serving/beams.py). ``guide_after``:
-    the guide starts after that text (a reasoning model's, see reasoning.py)."""
+    ``use_beam_search``, a beam search per prompt (specdec/serving/beams.py). ``guide_fields``:
+    where the guide starts (a reasoning model's thinking first, see reasoning.py)."""
     max_model_len, defaults = state.llm.engine.max_model_len, state.llm.sampling_defaults
     check_priority_allowed(state, body.priority)
     fit = partial(fit_max_tokens, body, max_model_len=max_model_len, cap=defaults.get("max_tokens"))
@@ -309,7 +309,7 @@ def make_generation(
         for choice in range(body.n or 1):
             try:
                 params = body.sampling_params(max(max_tokens, 1), choice, defaults)
-                params = dataclasses.replace(params, guide_after=guide_after or None)
+                params = dataclasses.replace(params, **(guide_fields or {}))
             except ValueError as e:
                 raise APIError(400, str(e), param=body.param_of(str(e).split(" ")[0])) from e
             requests.append(

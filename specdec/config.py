@@ -84,6 +84,9 @@ class SamplingParams:
     # the guide above applies after this text first ends the output (a reasoning model's
     # "</think>": vLLM's reasoning-aware structured outputs); before it the output is free
     guide_after: str | None = None
+    # with guide_after: the free part must open with this text (a reasoning model's "<think>");
+    # an output that does not open with it is guided from its first token
+    guide_after_opening: str | None = None
     # completions per prompt in LLM.generate (vLLM's n); completion i of a seeded request uses
     # seed + i, as the server's choices do
     n: int = 1

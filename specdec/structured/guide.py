@@ -163,26 +163,26 @@ class RegexGuide:
 
 
 class AfterTextGuide(RegexGuide):
-    """A :class:`RegexGuide` over :func:`~specdec.structured.after.after_text`'s DFA: in the
-    states before the text (``1 .. text_length``) the output is free, special tokens included:
-    a token that spells nothing (but an end-of-sequence id, which ends the output) is allowed
-    there and leaves the state as it is."""
+    """A :class:`RegexGuide` over :func:`~specdec.structured.after.after_text`'s DFA: in its
+    free states (before the text) the output is free, special tokens included: a token that
+    spells nothing (but an end-of-sequence id, which ends the output) is allowed there and
+    leaves the state as it is."""
 
-    def __init__(self, dfa: DFA, vocabulary: Vocabulary, text_length: int):
+    def __init__(self, dfa: DFA, vocabulary: Vocabulary, free: np.ndarray):
         super().__init__(dfa, vocabulary)
-        self.text_length = text_length
+        self.free = free  # [S] bool
         unspelled = np.array([not b for b in vocabulary.spelled], bool)
         unspelled[vocabulary.eos_token_ids] = False
         self.unspelled = torch.from_numpy(unspelled)  # [V]
 
     def advance(self, state: int, token: int) -> int | None:
-        if 1 <= state <= self.text_length and bool(self.unspelled[token]):
+        if self.free[state] and bool(self.unspelled[token]):
             return state
         return super().advance(state, token)
 
     def allowed(self, state: int) -> torch.Tensor:
         mask = super().allowed(state)
-        return mask | self.unspelled if 1 <= state <= self.text_length else mask
+        return mask | self.unspelled if self.free[state] else mask
 
 
 class GuideFactory:
@@ -203,8 +203,8 @@ class GuideFactory:
             raise ValueError(
                 "guided decoding needs the model's tokenizer and end-of-sequence token"
             )
-        after = params.guide_after
-        if params.choice is not None and after is None:
+        after = (params.guide_after, params.guide_after_opening or "")
+        if params.choice is not None and after[0] is None:
             return ChoiceGuide(params.choice, self.tokenizer, self.eos_token_ids)
         if params.choice is not None:  # after a text, the choices' bytes, however tokenized
             return self._regex("|".join(re.escape(c) for c in params.choice), after)
@@ -212,11 +212,13 @@ class GuideFactory:
             return self._regex(params.regex, after)
         return self._regex(schema_regex(params.json_schema), after)
 
-    def _regex(self, pattern: str, after: str | None = None) -> RegexGuide:
-        """The pattern's guide (applied after the text ``after``, if given: see
-        :mod:`specdec.structured.after`), compiled once (the server compiles it on a worker
-        thread before the engine's thread asks for it: the cache is shared under a lock)."""
-        key = pattern if after is None else f"{after}\0{pattern}"
+    def _regex(self, pattern: str, after: tuple[str | None, str] = (None, "")) -> RegexGuide:
+        """The pattern's guide (applied after the text ``after[0]``, if given, entered through
+        the opening ``after[1]``, if given: see :mod:`specdec.structured.after`), compiled once
+        (the server compiles it on a worker thread before the engine's thread asks for it: the
+        cache is shared under a lock)."""
+        text, opening = after
+        key = pattern if text is None else f"{opening}\0{text}\0{pattern}"
         with self._lock:
             guide = self._cache.get(key)
             if guide is not None:
@@ -225,13 +227,11 @@ class GuideFactory:
             if self._vocabulary is None:
                 self._vocabulary = Vocabulary(self.tokenizer, self.vocab_size, self.eos_token_ids)
         dfa = compile_regex(pattern)
-        guide = (
-            RegexGuide(dfa, self._vocabulary)
-            if after is None
-            else AfterTextGuide(
-                after_text(after.encode(), dfa), self._vocabulary, len(after.encode())
-            )
-        )
+        if text is None:
+            guide = RegexGuide(dfa, self._vocabulary)
+        else:
+            joined, free = after_text(text.encode(), dfa, opening.encode())
+            guide = AfterTextGuide(joined, self._vocabulary, free)
         with self._lock:
             self._cache[key] = guide
             if len(self._cache) > GUIDE_CACHE:

@@ -50,7 +50,7 @@ class StructuredOutputsParams:
 
 def check_guides(params: Any) -> None:  # noqa: ANN401 - a SamplingParams (which imports this)
     """Validate a ``SamplingParams``' guide fields (``choice``, ``regex``, ``json_schema``,
-    ``guide_after``); ValueError naming the field. A pattern's syntax is checked now, its DFA
+    ``guide_after``, ``guide_after_opening``); ValueError naming the field. A pattern's syntax is checked now, its DFA
     built when the request is added."""
     choice, regex, schema, after = (
         params.choice,
@@ -81,6 +81,11 @@ def check_guides(params: Any) -> None:  # noqa: ANN401 - a SamplingParams (which
         not guides or not (params.ignore_eos or params.min_tokens),
         f"{guides[0] if guides else ''} ends the output where it is complete: leave "
         f"ignore_eos and min_tokens unset",
+    )
+    opening = params.guide_after_opening
+    _require(
+        opening is None or (isinstance(opening, str) and opening != "" and after is not None),
+        f"guide_after_opening must be a non-empty string, with guide_after; got {opening!r}",
     )
     _require(
         after is None or (isinstance(after, str) and after != "" and bool(guides)),

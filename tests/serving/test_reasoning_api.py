@@ -6,9 +6,12 @@ same whole and streamed, wherever the tokens break the tags; a prompt that opens
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import random
 import re
+from collections.abc import Iterator
 
 import pytest
 
@@ -117,6 +120,31 @@ def chat(served, stream: bool, **body) -> tuple[str | None, str | None, dict]:  
     return reasoning or None, content or None, {"deltas": deltas}
 
 
+@contextlib.contextmanager
+def scripted(served, text: str) -> Iterator[None]:  # noqa: ANN001
+    """Every reply's text is ``text`` (one character a token, the rest with the last, which
+    ends it with "stop"): the engine runs as ever, only the text of its deltas is replaced, so
+    that a random model "writes" a thinking block for the splits to read."""
+    engine, given = served.llm.engine, {}
+    real = engine.step
+
+    def step() -> list:
+        deltas = []
+        for delta in real():
+            at = given.get(delta.request_id, 0)
+            given[delta.request_id] = at + len(delta.token_ids)
+            piece = text[at:] if delta.finished else text[at : at + len(delta.token_ids)]
+            reason = "stop" if delta.finished else None
+            deltas.append(dataclasses.replace(delta, text=piece, finish_reason=reason))
+        return deltas
+
+    engine.step = step
+    try:
+        yield
+    finally:
+        del engine.step
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_reply_in_an_opened_block_is_reasoning_until_it_closes(opening_served, offline, stream):
     prompt = offline.render_chat(CHAT, ChatOptions(chat_template=OPENING))
@@ -132,11 +160,38 @@ def test_a_reply_in_an_opened_block_is_reasoning_until_it_closes(opening_served,
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_block_the_reply_opens_and_closes_splits(parsed_served, stream):
-    regex = {"structured_outputs": {"regex": re.escape("<think>plan it</think>The answer.")}}
-    assert chat(parsed_served, stream, max_tokens=60, **regex)[:2] == ("plan it", "The answer.")
-    free = {"structured_outputs": {"regex": "[a-z]{6}"}}  # no block: guided from the start
-    reasoning, content, _ = chat(parsed_served, stream, **free)
-    assert reasoning is None and content is not None and re.fullmatch("[a-z]{6}", content)
+    text = "<think>plan it</think>The answer."
+    with scripted(parsed_served, text):
+        got = chat(parsed_served, stream, max_tokens=len(text) + 4)
+    assert got[:2] == ("plan it", "The answer.")
+
+
+def sent_params(served, monkeypatch, **body):  # noqa: ANN001, ANN003, ANN201
+    """The SamplingParams a chat request puts on the engine."""
+    added: list = []
+    real = served.state.engine.add
+
+    async def add(requests, queue):  # noqa: ANN001, ANN202
+        added.extend(requests)
+        return await real(requests, queue)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(served.state.engine, "add", add)
+        chat(served, False, **body)
+    return added[0].params
+
+
+def test_guided_requests_think_first(parsed_served, opening_served, monkeypatch):
+    """A guided request's guide waits for ``</think>`` (vLLM's reasoning-aware structured
+    outputs): at once under a prompt that opens the block, else once the reply opens one
+    itself (the DFA: tests/test_guide_after.py)."""
+    guided = {"structured_outputs": {"regex": "[a-z]{6}"}}
+    for served, opening in ((opening_served, None), (parsed_served, "<think>")):
+        params = sent_params(served, monkeypatch, **guided)
+        assert (params.guide_after, params.guide_after_opening) == ("</think>", opening)
+        assert sent_params(served, monkeypatch).guide_after is None  # no guide, nothing to wait
+    free = chat(parsed_served, False, **guided)
+    assert free[0] is None and re.fullmatch("[a-z]{6}", free[1] or "")  # never opened: guided
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -154,8 +209,8 @@ def test_a_guide_starts_after_an_opened_block_closes(opening_served, offline, st
 @pytest.mark.parametrize("stream", [False, True])
 def test_calls_are_read_from_the_content(parsed_served, stream):
     text = "<think>call it</think>" + CALL_TEXT
-    body = {"tools": TOOLS, "max_tokens": 160, "structured_outputs": {"regex": re.escape(text)}}
-    reasoning, content, last = chat(parsed_served, stream, **body)
+    with scripted(parsed_served, text):
+        reasoning, content, last = chat(parsed_served, stream, tools=TOOLS, max_tokens=len(text))
     assert reasoning == "call it" and content == "Let me look."
     calls = last["tool_calls"] if not stream else [
         t for d in last["deltas"] for t in d.get("tool_calls") or []
@@ -183,11 +238,12 @@ def test_the_responses_api_gives_the_thinking_as_a_reasoning_item(
     parsed_served, opening_served, stream
 ):
     text = "<think>plan it</think>The answer."
-    body = {"model": MODEL, "input": "Why?", "max_output_tokens": 60, "temperature": 0,
-            "extra_body": {"guided_regex": re.escape(text)}}  # fmt: skip
+    body = {"model": MODEL, "input": "Why?", "max_output_tokens": len(text), "temperature": 0}
     client = parsed_served.client()
-    if stream:
+    with scripted(parsed_served, text):
         events = list(client.responses.create(**body, stream=True))  # type: ignore[call-overload]
+        whole = client.responses.create(**body)  # type: ignore[call-overload]
+    if stream:
         assert [e.sequence_number for e in events] == list(range(len(events)))
         thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
         said = "".join(e.delta for e in events if e.type == "response.output_text.delta")
@@ -196,7 +252,7 @@ def test_the_responses_api_gives_the_thinking_as_a_reasoning_item(
         assert added == [0, 1]
         out = events[-1].response
     else:
-        out = client.responses.create(**body)  # type: ignore[call-overload]
+        out = whole
     assert [item.type for item in out.output] == ["reasoning", "message"]
     assert out.output[0].content[0].text == "plan it" and out.output_text == "The answer."
     cut = opening_served.client().responses.create(model=MODEL, input="Why?", max_output_tokens=8)
