@@ -109,9 +109,8 @@ class LLM:
             device=resolve_device(config.device),
         )
         self._assemble(checkpoint, model_impl, resolved, config, speculative, quantization)
-        self.sampling_defaults = sampling_defaults(
-            generation_config, checkpoint.generation_config, override_generation_config
-        )
+        source, override = generation_config, override_generation_config
+        self.sampling_defaults = sampling_defaults(source, checkpoint.generation_config, override)
 
     @classmethod
     def on_native_model(
@@ -197,10 +196,8 @@ class LLM:
             pooling_list = [
                 replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in pooling_list
             ]
-        jobs = []
-        for prompt, pp, rank in zip(
-            prompt_list, pooling_list, priorities_for(priority, prompt_list)
-        ):
+        jobs, ranks = [], priorities_for(priority, prompt_list)
+        for prompt, pp, rank in zip(prompt_list, pooling_list, ranks):
             text, ids = self._text_and_ids(prompt)
             jobs.append(Job(ids, pp, rank, text))
         return [
@@ -372,14 +369,12 @@ class LLM:
         return text
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """What ``generate``, ``chat`` and ``stream`` sample with when given no parameters: the
-        model's generation config's sampling fields over the neutral defaults (vLLM's method;
-        see :mod:`specdec.generation_defaults`)."""
+        """What ``generate``, ``chat`` and ``stream`` take without parameters (vLLM's method):
+        the generation config's sampling fields (:mod:`specdec.generation_defaults`)."""
         return SamplingParams(**self.sampling_defaults)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget the prefix cache's blocks that no running request holds, so that later
-        prompts are computed anew (vLLM's method, for benchmarks that replay prompts)."""
+        """Forget the cached blocks no request holds (vLLM's; for benchmarks that replay)."""
         self.engine.scheduler.block_manager.reset_prefix_cache()
         return True
 
