@@ -59,6 +59,20 @@ struct LaneLayout {
   const float* block(const float* w, int64_t b) const { return w + b * in * kLaneBlock; }
 };
 
+#if !defined(__AVX512F__)
+// Without AVX-512 the tiles of many rows below are never taken (kZmmLanes false); the sizes
+// only let the shared code compile.
+constexpr bool kZmmLanes = false;
+constexpr int kZmmRows = 1;
+constexpr int kZmmBlocks = 1;
+constexpr int64_t kZmmChunk = 1;
+constexpr int64_t kZmmFewRows = 0;
+constexpr int kZmmFewTileRows = 1;
+constexpr int kZmmFewBlocks = 1;
+constexpr int64_t kZmmFewChunk = 1;
+
+#endif
+
 #if defined(__AVX512F__)
 // AVX-512: a block's 16 features are one vector, and the tiles of many rows take four blocks at
 // once (kZmmRows rows x kZmmBlocks blocks: 24 sums, 4 weight vectors and a broadcast input of
@@ -120,15 +134,6 @@ inline void lane_tile6(const float* x, int64_t stride, const float* wb, const La
   lane_tile<6, 1>(x, stride, wb, l, k0, k1, sums, ahead);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr bool kZmmLanes = false;
-constexpr int kZmmRows = 1;
-constexpr int kZmmBlocks = 1;
-constexpr int64_t kZmmChunk = 1;
-constexpr int64_t kZmmFewRows = 0;
-constexpr int kZmmFewTileRows = 1;
-constexpr int kZmmFewBlocks = 1;
-constexpr int64_t kZmmFewChunk = 1;
-
 // sums[r][16 * b + j] for rows x[r] (`stride` apart) and the B blocks from wb, over inputs
 // [k0, k1); the sums start from zero at k0 == 0 and from `sums` otherwise. `ahead`: the weights
 // B blocks on (the next tile's), asked into L2 line by line as these are read.
@@ -174,15 +179,6 @@ inline void lane_tile6(const float* x, int64_t stride, const float* wb, const La
   six_row_sums(rows, wb, k0, k1, sums, ahead ? wb + l.in * kLaneBlock : nullptr);
 }
 #else
-constexpr bool kZmmLanes = false;
-constexpr int kZmmRows = 1;
-constexpr int kZmmBlocks = 1;
-constexpr int64_t kZmmChunk = 1;
-constexpr int64_t kZmmFewRows = 0;
-constexpr int kZmmFewTileRows = 1;
-constexpr int kZmmFewBlocks = 1;
-constexpr int64_t kZmmFewChunk = 1;
-
 // Without AVX2 and FMA: the same chains, one std::fma (correctly rounded, as the instruction) at
 // a time.
 template <int R, int B>

@@ -158,20 +158,18 @@ def chat_response(generation: Generation, meta: ResponseMeta) -> ChatCompletionR
         reasoning, text = _split(c.text, meta)
         message: AssistantMessage | ToolCallsMessage
         content = text if meta.echo is None else meta.echo[i] + (text or "")
-        message = AssistantMessage(
-            content=content, reasoning=reasoning, reasoning_content=reasoning
-        )
+        message = AssistantMessage(content=content, reasoning=reasoning)
         reason = c.finish_reason
         calls = _calls(text or "", reason, meta)
         if calls is not None:
-            message, reason = ToolCallsMessage(tool_calls=calls), _calls_reason(meta)
+            message = ToolCallsMessage(tool_calls=calls, reasoning=reasoning)
+            reason = _calls_reason(meta)
         elif meta.auto_tools is not None and reason == "stop":
             parsed = meta.auto_tools.parse(text or "")
             if parsed.tool_calls:
                 message = ToolCallsMessage(
-                    content=parsed.content, tool_calls=parsed.tool_calls, reasoning=reasoning,
-                    reasoning_content=reasoning,
-                )  # fmt: skip
+                    content=parsed.content, tool_calls=parsed.tool_calls, reasoning=reasoning
+                )
                 reason = "tool_calls"
         logprobs = None if c.logprobs is None else chat_logprobs(c.logprobs, texts)
         choices.append(
@@ -217,7 +215,7 @@ async def chat_chunks(
         if splits is not None:  # the thinking goes out as reasoning, the rest on as the text
             thinking, text = splits[i].feed_delta(delta)
             if thinking and meta.reasoning is not None and meta.reasoning.include:
-                thought = ChatDelta(reasoning=thinking, reasoning_content=thinking)
+                thought = ChatDelta(reasoning=thinking)
                 yield chunk([ChatChunkChoice(index=i, delta=thought)])
             delta = dataclasses.replace(delta, text=text)
         if auto is not None:

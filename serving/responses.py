@@ -87,18 +87,19 @@ class ChatLogprobs(BaseModel):
 
 
 class Reasoning(BaseModel):
-    """A reasoning model's thinking, split from its answer under ``--reasoning-parser``: under
-    vLLM's name and under DeepSeek's, both left out where there is none."""
+    """A reasoning model's thinking, split from its answer under ``--reasoning-parser``: sent
+    under vLLM's name and again under DeepSeek's (``reasoning_content``), both left out where
+    there is none."""
 
     reasoning: str | None = None
-    reasoning_content: str | None = None  # the same text
 
     @model_serializer(mode="wrap")
-    def _without_unset_reasoning(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+    def _with_both_names(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data = handler(self)
         if data.get("reasoning") is None:
             data.pop("reasoning", None)
-            data.pop("reasoning_content", None)
+        else:
+            data["reasoning_content"] = data["reasoning"]
         return data  # type: ignore[no-any-return]
 
 

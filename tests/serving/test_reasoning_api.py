@@ -220,6 +220,21 @@ def test_calls_are_read_from_the_content(parsed_served, stream):
     ]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_calls_keep_the_thinking_before_them(opening_served, stream):
+    text = 'weigh it</think>[{"name": "weather", "parameters": {"unit": "c"}}]'
+    body = {"tools": TOOLS, "tool_choice": "required", "max_tokens": len(text)}
+    with scripted(opening_served, text):
+        reasoning, content, last = chat(opening_served, stream, **body)
+    assert reasoning == "weigh it" and not content
+    calls = last["tool_calls"] if not stream else [
+        t for d in last["deltas"] for t in d.get("tool_calls") or []
+    ]  # fmt: skip
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("weather", {"unit": "c"})
+    ]
+
+
 def test_without_a_parser_or_an_opened_block_the_reply_is_content(make_server, served):
     reasoning, content, message = chat(served, False)  # no parser: no split, no fields
     assert reasoning is None and content and "reasoning" not in message
