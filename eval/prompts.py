@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from specdec.llm import Conversation
+from specdec.chat_render import Conversation
 
 PROMPT_DIR = Path(__file__).parent / "prompts"
 ROLES = ("system", "user", "assistant")

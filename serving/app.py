@@ -9,14 +9,18 @@ Run it with uvicorn (``specdec serve``), or in a background thread with
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI
 
 from specdec.llm import LLM
+from specdec.lora import LoRARequest
+from specdec.serving.adapters import router as adapters_router
+from specdec.serving.adapters import serve_adapters
 from specdec.serving.bridge import AsyncEngine
 from specdec.serving.embeddings import router as embeddings_router
 from specdec.serving.errors import UnexpectedErrors, install_error_handlers
@@ -68,6 +72,10 @@ class ServerConfig:
     # chat replies' thinking split from their answer (vLLM's --reasoning-parser; see
     # reasoning.py): "deepseek_r1" or "qwen3"; None: the reply is all content
     reasoning_parser: str | None = None
+    # LoRA adapters served by name (vLLM's --lora-modules; the LLM needs enable_lora), and
+    # whether /v1/load_lora_adapter and /v1/unload_lora_adapter may change them while serving
+    lora_modules: list[LoRARequest] = field(default_factory=list)
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         names = ("max_concurrent", "max_body_bytes", "retry_after_s", "max_stop_chars")
@@ -91,6 +99,9 @@ class ServerConfig:
                 f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
                 f"got {self.reasoning_parser!r}"
             )
+        adapters = [module.name for module in self.lora_modules]
+        if len(set(adapters)) < len(adapters):
+            raise ValueError(f"lora_modules must have names of their own, got {adapters}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser (e.g. 'hermes')")
 
@@ -108,6 +119,8 @@ class ServerState:
     max_prompt_chars: int  # a longer prompt text cannot fit the context (refused untokenized)
     token_texts: TokenTexts  # each token's text, for logprobs
     responses: ResponseStore | None = None  # --responses-store
+    loras: dict[str, LoRARequest] = field(default_factory=dict)  # served adapters, by name
+    lora_ids: Iterator[int] = field(default_factory=itertools.count)  # for adapters loaded later
     created: int = field(default_factory=lambda: int(time.time()))  # server start, Unix time
 
 
@@ -125,6 +138,10 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
         max_prompt_chars=max_prompt_chars(llm.tokenizer, llm.engine.max_model_len),
         token_texts=TokenTexts(llm.tokenizer),
         responses=ResponseStore(config.responses_store) if config.responses_store else None,
+    )
+    state.loras = serve_adapters(llm, config.lora_modules, state.model_name)
+    state.lora_ids = itertools.count(
+        max((m.adapter_id for m in config.lora_modules), default=0) + 1
     )
     metrics.queued.set_function(lambda: state.gate.num_waiting)
     metrics.observe_engine(llm.engine)
@@ -154,6 +171,8 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     app.include_router(embeddings_router)
     app.include_router(scores_router)
     app.include_router(tokenization_router)
+    if config.allow_runtime_lora_updating:
+        app.include_router(adapters_router)
     install_error_handlers(app)
     # The last added is the outermost: count everything, answer unexpected errors, then check
     # the key, then the size.
@@ -171,6 +190,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     all_routes = (
         *router.routes, *responses_router.routes, *sagemaker_router.routes,
         *embeddings_router.routes, *scores_router.routes, *tokenization_router.routes,
+        *adapters_router.routes,
     )  # fmt: skip
     routes = frozenset(getattr(r, "path", "") for r in all_routes)
     app.add_middleware(RequestCountMiddleware, metrics=metrics, routes=routes)

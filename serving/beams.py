@@ -22,6 +22,7 @@ import torch
 
 from specdec.beam_search import MAX_BEAM_WIDTH, BeamSearcher, Search, step_params
 from specdec.outputs import RequestOutput
+from specdec.serving.adapters import adapter_of
 from specdec.serving.bridge import EngineDeadError, GenerationRequest
 from specdec.serving.errors import APIError
 from specdec.serving.generation import Choice, Generation
@@ -69,6 +70,7 @@ class BeamGeneration(Generation):
         super().__init__(state, [], sum(len(p) for p in prompts), prompt_param)
         self.width = body.n or 1
         self.priority = body.priority
+        self.lora = adapter_of(state, body.model)
         eos = () if body.ignore_eos else state.llm.engine.eos_token_ids
         temperature = body.temperature  # unset: the generation config's, as vLLM searches
         if temperature is None:
@@ -128,7 +130,9 @@ class BeamGeneration(Generation):
         """The next-token logits of each token list, ``[n, V]``, from the engine thread."""
         outputs: asyncio.Queue[Any] = asyncio.Queue()
         try:
-            batch = [GenerationRequest(r, step_params(), 0, self.priority) for r in requests]
+            batch = [
+                GenerationRequest(r, step_params(), 0, self.priority, self.lora) for r in requests
+            ]
             self._in_flight = await self.state.engine.add(batch, outputs)
         except ValueError as e:  # the engine's checks on a prompt
             raise APIError(400, str(e), param=self.prompt_param) from e

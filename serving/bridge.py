@@ -27,9 +27,11 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from specdec.config import SamplingParams
 from specdec.engine import Engine
+from specdec.lora import LoRARequest
 from specdec.outputs import RequestOutput
 from specdec.pooling import PoolingParams
 
@@ -50,6 +52,7 @@ class GenerationRequest:
     params: SamplingParams | PoolingParams  # how to sample the continuation, or to pool
     num_speculative_tokens: int | None = None  # drafts per step (0: off); None: the engine's own
     priority: int = 0  # under the priority scheduling policy, lower first
+    lora: LoRARequest | None = None  # the LoRA adapter it runs through (specdec.lora)
 
 
 @dataclass(slots=True)
@@ -57,6 +60,12 @@ class _Add:
     requests: list[GenerationRequest]  # added together: all or none
     outputs: OutputQueue  # where their deltas go
     accepted: asyncio.Future  # resolved with the engine request ids, or the add's ValueError
+
+
+@dataclass(slots=True)
+class _Call:
+    function: Callable[[Engine], Any]  # run on the engine thread, between steps
+    result: asyncio.Future  # resolved with what it returns, or what it raises
 
 
 @dataclass(slots=True)
@@ -114,6 +123,16 @@ class AsyncEngine:
             self._commands.put(_Add(requests, outputs, accepted))
         return await accepted
 
+    async def call(self, function: Callable[[Engine], Any]) -> Any:  # noqa: ANN401
+        """``function(engine)`` run on the engine thread between steps (loading a LoRA adapter);
+        what it returns, or raises. Raises :class:`EngineDeadError` if the engine is stopped."""
+        with self._lock:
+            if not self._accepting or self._loop is None:
+                raise EngineDeadError("the engine is not running")
+            result = self._loop.create_future()
+            self._commands.put(_Call(function, result))
+        return await result
+
     def abort(self, request_ids: list[int]) -> None:
         """Abort requests and free their KV blocks, soon (thread-safe, never blocks)."""
         if request_ids:
@@ -149,6 +168,8 @@ class AsyncEngine:
                     return False
                 if isinstance(command, _Add):
                     self._add(command)
+                elif isinstance(command, _Call):
+                    self._call(command)
                 else:
                     for request_id in command.request_ids:
                         self._outputs.pop(request_id, None)
@@ -167,7 +188,9 @@ class AsyncEngine:
                 ):  # this request's own cap
                     params = replace(params, num_speculative_tokens=request.num_speculative_tokens)
                 ids.append(
-                    self.engine.add_request(request.prompt_token_ids, params, request.priority)
+                    self.engine.add_request(
+                        request.prompt_token_ids, params, request.priority, request.lora
+                    )
                 )
         except Exception as e:  # noqa: BLE001 - a refused request must not stop the engine
             for request_id in ids:
@@ -177,6 +200,14 @@ class AsyncEngine:
         for request_id in ids:
             self._outputs[request_id] = command.outputs
         self._post(self._resolve, command, ids)
+
+    def _call(self, command: _Call) -> None:
+        try:
+            result = command.function(self.engine)
+        except Exception as e:  # noqa: BLE001 - the caller gets it; the engine goes on
+            self._post(_settle, command.result, e)
+        else:
+            self._post(_settle, command.result, result)
 
     def _resolve(self, command: _Add, result: list[int] | Exception) -> None:
         """On the loop: answer an add, or abort its requests if nobody waits any more."""
@@ -206,8 +237,11 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
+            dead = EngineDeadError("the engine is not running")
             if isinstance(command, _Add):
-                self._post(self._resolve, command, EngineDeadError("the engine is not running"))
+                self._post(self._resolve, command, dead)
+            elif isinstance(command, _Call):
+                self._post(_settle, command.result, dead)
 
     def _post(self, callback: Callable, *args: object) -> None:
         assert self._loop is not None
@@ -223,3 +257,13 @@ def _deliver(deliveries: list[tuple[OutputQueue, RequestOutput]]) -> None:
 def _fail_all(queues: set[OutputQueue], error: BaseException | None) -> None:
     for outputs in queues:
         outputs.put_nowait(error or EngineDeadError("the engine stopped"))
+
+
+def _settle(future: asyncio.Future, result: object) -> None:
+    """On the loop: answer a call (an exception is raised to the caller), unless nobody waits."""
+    if future.cancelled():
+        return
+    if isinstance(result, Exception):
+        future.set_exception(result)
+    else:
+        future.set_result(result)

@@ -17,6 +17,7 @@ import uvicorn
 
 from specdec.cli_options import model_options, spec_config, speculation_options
 from specdec.engine_config import POOLING_TYPES, SCHEDULING_POLICIES
+from specdec.lora import LoRARequest
 from specdec.serving.reasoning import REASONING_PARSERS
 from specdec.serving.tool_parsers import TOOL_CALL_PARSERS
 
@@ -190,6 +191,25 @@ def _is_loopback(host: str) -> bool:
     default=None,
     help="JSON laid over the generation config's sampling fields, e.g. '{\"temperature\": 0.5}'.",
 )
+@click.option("--enable-lora", is_flag=True, help="Serve LoRA adapters (see --lora-modules).")
+@click.option(
+    "--lora-modules",
+    multiple=True,
+    help="A LoRA adapter served under its own name, as name=path or JSON "
+    '\'{"name": ..., "path": ...}\'; repeat for more (needs --enable-lora).',
+)
+@click.option("--max-loras", default=1, show_default=True, help="Most adapters in one step.")
+@click.option("--max-lora-rank", default=16, show_default=True, help="Highest adapter rank.")
+@click.option(
+    "--max-cpu-loras", default=None, type=int, help="Adapters kept loaded [default: max-loras]."
+)
+@click.option(
+    "--allow-runtime-lora-updating",
+    is_flag=True,
+    envvar="VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+    help="Serve /v1/load_lora_adapter and /v1/unload_lora_adapter (also with vLLM's "
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True).",
+)
 @click.option("--log-level", default="info", show_default=True)
 def serve(
     model: str | None,
@@ -234,6 +254,12 @@ def serve(
     seed: int | None,
     generation_config: str,
     override_generation_config: str | None,
+    enable_lora: bool,
+    lora_modules: tuple[str, ...],
+    max_loras: int,
+    max_lora_rank: int,
+    max_cpu_loras: int | None,
+    allow_runtime_lora_updating: bool,
     log_level: str,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
@@ -258,6 +284,8 @@ def serve(
             chat_template=read_chat_template(chat_template),
             trust_request_chat_template=trust_request_chat_template,
             reasoning_parser=reasoning_parser,
+            lora_modules=[lora_module(value, i + 1) for i, value in enumerate(lora_modules)],
+            allow_runtime_lora_updating=allow_runtime_lora_updating,
         )
         llm = LLM(
             model,
@@ -279,6 +307,10 @@ def serve(
             seed=seed,
             generation_config=generation_config,
             override_generation_config=_json_object(override_generation_config),
+            enable_lora=enable_lora,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
+            max_cpu_loras=max_cpu_loras,
             speculative=spec_config(
                 drafter,
                 num_speculative_tokens,
@@ -292,7 +324,10 @@ def serve(
         raise click.ClickException(str(e)) from e
     if api_key is None and not _is_loopback(host):
         click.echo(f"warning: serving on {host} with no --api-key: anyone can use it", err=True)
-    app = build_app(llm, config)
+    try:
+        app = build_app(llm, config)
+    except ValueError as e:  # an adapter the engine refuses
+        raise click.ClickException(str(e)) from e
     click.echo(f"serving {llm.model_name} at http://{host}:{port}/v1", err=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
 
@@ -311,6 +346,28 @@ def _json_object(value: str | None) -> dict[str, Any] | None:
             f"must be a JSON object, got {value!r}", param_hint="--override-generation-config"
         )
     return parsed
+
+
+def lora_module(value: str, lora_id: int) -> LoRARequest:
+    """One ``--lora-modules`` value, ``name=path`` or a JSON object with ``name`` and ``path``
+    (vLLM's two forms), as the adapter with id ``lora_id``; a usage error that says why not."""
+    hint = "--lora-modules"
+    if value.lstrip().startswith("{"):
+        try:
+            fields = json.loads(value)
+            name, path = fields["name"], fields["path"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise click.BadParameter(
+                f"{value!r}: not JSON with name and path", param_hint=hint
+            ) from e
+    else:
+        name, sep, path = value.partition("=")
+        if not sep:
+            raise click.BadParameter(f"{value!r}: give name=path", param_hint=hint)
+    try:
+        return LoRARequest(name, lora_id, path)
+    except ValueError as e:
+        raise click.BadParameter(f"{value!r}: {e}", param_hint=hint) from e
 
 
 def read_chat_template(value: str | None) -> str | None:

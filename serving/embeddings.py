@@ -23,7 +23,9 @@ from fastapi.responses import Response
 from pydantic import BaseModel, Field, field_validator
 
 from specdec.llm import ChatOptions
+from specdec.lora import LoRARequest
 from specdec.pooling import PoolingParams
+from specdec.serving.adapters import adapter_of, served_name
 from specdec.serving.bridge import GenerationRequest
 from specdec.serving.errors import APIError
 from specdec.serving.generation import Generation, until_disconnected
@@ -141,10 +143,12 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         inputs = body.input or []
     pooling = PoolingParams(normalize=body.normalize)  # the prompts are truncated here
     prompts = [await tokenize(state, text, param, truncate) for text in inputs]
-    vectors = await embed_prompts(request, state, prompts, pooling, body.priority, param)
+    lora = adapter_of(state, body.model)
+    vectors = await embed_prompts(request, state, prompts, pooling, body.priority, param, lora)
     if vectors is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    response = _response(vectors, prompts, state.model_name, body.encoding_format == "base64")
+    name = served_name(state, body.model)
+    response = _response(vectors, prompts, name, body.encoding_format == "base64")
     return Response(response.model_dump_json(), media_type="application/json")
 
 
@@ -155,6 +159,7 @@ async def embed_prompts(
     pooling: PoolingParams,
     priority: int,
     param: str,
+    lora: LoRARequest | None = None,
 ) -> list[torch.Tensor] | None:
     """Each prompt's vector, run as embedding requests in waves of at most the server's
     ``max_running`` sequences (each wave admitted as one request is, so a request of many
@@ -164,7 +169,7 @@ async def embed_prompts(
     wave = state.gate.max_running
     for start in range(0, len(prompts), wave):
         part = prompts[start : start + wave]
-        requests = [GenerationRequest(ids, pooling, priority=priority) for ids in part]
+        requests = [GenerationRequest(ids, pooling, priority=priority, lora=lora) for ids in part]
         generation = Generation(state, requests, sum(len(p) for p in part), param, True)
         if await until_disconnected(request, generation.start()) is None:
             return None

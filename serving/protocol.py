@@ -22,8 +22,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
+from specdec.chat_render import CHAT_TEMPLATE_ARGUMENTS, ChatOptions
 from specdec.config import MAX_LOGPROBS, SamplingParams, choice_seed
-from specdec.llm import CHAT_TEMPLATE_ARGUMENTS, ChatOptions
 from specdec.serving.guided import GuidedFields, guides_given
 from specdec.serving.strict import StrictModel, TruncatePromptTokens
 from specdec.serving.tools import (

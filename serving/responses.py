@@ -189,8 +189,10 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=now_s)  # when the server started
     owned_by: str = "specdec"
     max_model_len: int  # longest prompt + output, in tokens
+    root: str | None = None  # the model's source (vLLM's field): an adapter's path
+    parent: str | None = None  # a LoRA adapter's base model; None for the base model
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
-    data: list[ModelCard]  # the models served: exactly one
+    data: list[ModelCard]  # the model served, then its LoRA adapters

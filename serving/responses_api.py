@@ -26,6 +26,7 @@ from fastapi.responses import Response
 from pydantic import Field, ValidationInfo, field_validator
 
 from specdec.llm import ChatOptions
+from specdec.serving.adapters import served_name
 from specdec.serving.errors import APIError
 from specdec.serving.guided import format_guide, guides_given
 from specdec.serving.protocol import (
@@ -273,7 +274,9 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
     prompt = await tokenize(state, text, body.longer_part())
     reasoning = reasoning_split(state.config.reasoning_parser, body, text)
     generation = make_generation(state, body, [prompt], "input", guide_after(reasoning, body))
-    reply = Reply(body, state.model_name, generation, names, state.responses, reasoning)
+    reply = Reply(
+        body, served_name(state, body.model), generation, names, state.responses, reasoning
+    )
     return await respond(
         request,
         generation,

@@ -23,6 +23,7 @@ from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
 from specdec.llm import ChatOptions
+from specdec.serving.adapters import adapter_of, served_name
 from specdec.serving.beams import BeamGeneration, check_beam_request
 from specdec.serving.bridge import GenerationRequest
 from specdec.serving.errors import APIError
@@ -82,7 +83,8 @@ async def metrics(request: Request) -> Response:
 
 @router.get("/v1/models")
 async def models(request: Request) -> ModelList:
-    return ModelList(data=[_card(server_state(request))])
+    state = server_state(request)
+    return ModelList(data=[_card(state, name) for name in (state.model_name, *state.loras)])
 
 
 @router.get("/v1/models/{model_id:path}")
@@ -90,12 +92,19 @@ async def model(model_id: str, request: Request) -> ModelCard:
     """The served model's card (OpenAI's ``models.retrieve``); 404 for any other name."""
     state = server_state(request)
     check_model(state, model_id)
-    return _card(state)
+    return _card(state, model_id)
 
 
-def _card(state: ServerState) -> ModelCard:
-    max_model_len = state.llm.engine.max_model_len
-    return ModelCard(id=state.model_name, created=state.created, max_model_len=max_model_len)
+def _card(state: ServerState, name: str) -> ModelCard:
+    """The served model's card, or a LoRA adapter's (its ``parent`` the served model)."""
+    max_model_len, lora = state.llm.engine.max_model_len, state.loras.get(name)
+    return ModelCard(
+        id=name,
+        created=state.created,
+        max_model_len=max_model_len,
+        root=state.model_name if lora is None else lora.path,
+        parent=None if lora is None else state.model_name,
+    )
 
 
 @router.post("/v1/completions")
@@ -123,7 +132,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         echo = [text for text in texts for _ in range(body.n or 1)]
     meta = ResponseMeta(
         "cmpl",
-        state.model_name,
+        served_name(state, body.model),
         echo=echo,
         prompt_logprobs=show_prompt_logprobs,
         token_ids=as_token_ids(state, body),
@@ -151,7 +160,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     echo = None if echoed is None else [echoed] * len(generation.choices)
     meta = ResponseMeta(
         "chatcmpl",
-        state.model_name,
+        served_name(state, body.model),
         echo=echo,
         prompt_logprobs=show_prompt_logprobs,
         tool_choice=body.tool_choice if body.calls_tools else None,
@@ -166,10 +175,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 
 
 def check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.model_name:
+    """404 for a ``model`` that is neither the served model nor one of its LoRA adapters."""
+    if model is not None and model != state.model_name and model not in state.loras:
+        served = ", ".join(f"`{name}`" for name in (state.model_name, *state.loras))
         raise APIError(
             404,
-            f"The model `{model}` does not exist: this server serves `{state.model_name}`",
+            f"The model `{model}` does not exist: this server serves {served}",
             param="model",
             code="model_not_found",
         )
@@ -303,7 +314,7 @@ def make_generation(
     if body.use_beam_search:
         limits = [max(1, fit(len(p))) for p in prompts]
         return BeamGeneration(state, body, prompts, limits, prompt_param)
-    requests = []
+    requests, lora = [], adapter_of(state, body.model)
     for prompt in prompts:
         max_tokens = fit(len(prompt))
         for choice in range(body.n or 1):
@@ -313,7 +324,7 @@ def make_generation(
             except ValueError as e:
                 raise APIError(400, str(e), param=body.param_of(str(e).split(" ")[0])) from e
             requests.append(
-                GenerationRequest(prompt, params, body.num_speculative_tokens, body.priority)
+                GenerationRequest(prompt, params, body.num_speculative_tokens, body.priority, lora)
             )
     num_prompt_tokens = sum(len(p) for p in prompts)
     discard = body.requested_max_tokens == 0

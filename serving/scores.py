@@ -26,6 +26,7 @@ from pydantic import BaseModel, Field, StringConstraints, field_validator
 
 from specdec.pooling import PoolingParams
 from specdec.scoring import cosine_similarity, score_pairs
+from specdec.serving.adapters import adapter_of, served_name
 from specdec.serving.embeddings import embed_prompts
 from specdec.serving.errors import APIError
 from specdec.serving.responses import Usage, new_id, now_s
@@ -168,7 +169,10 @@ async def _scores(
     truncate = body.truncate_prompt_tokens
     prompts = [await tokenize(state, t, names[0], truncate) for t in firsts]
     prompts += [await tokenize(state, t, names[1], truncate) for t in seconds]
-    vectors = await embed_prompts(request, state, prompts, PoolingParams(), body.priority, names[1])
+    lora = adapter_of(state, body.model)
+    vectors = await embed_prompts(
+        request, state, prompts, PoolingParams(), body.priority, names[1], lora
+    )
     if vectors is None:
         return None
     left, right = vectors[: len(firsts)], vectors[len(firsts) :]
@@ -187,7 +191,7 @@ async def _score(body: ScoreRequest, request: Request) -> Response:
     response = ScoreResponse(
         id=new_id("score"),
         created=now_s(),
-        model=state.model_name,
+        model=served_name(state, body.model),
         data=[ScoreData(index=i, score=s) for i, s in enumerate(scores)],
         usage=Usage(prompt_tokens=tokens, completion_tokens=0, total_tokens=tokens),
     )
@@ -205,7 +209,7 @@ async def _rerank(body: RerankRequest, request: Request) -> Response:
     top = order[: body.top_n or len(order)]
     response = RerankResponse(
         id=new_id("rerank"),
-        model=state.model_name,
+        model=served_name(state, body.model),
         usage=RerankUsage(prompt_tokens=tokens, total_tokens=tokens),
         results=[
             RerankResult(

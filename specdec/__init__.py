@@ -5,6 +5,7 @@ from specdec.config import SamplingParams
 from specdec.drafters.registry import SpecConfig
 from specdec.engine_config import EngineConfig
 from specdec.llm import LLM, ChatOptions
+from specdec.lora import LoRARequest
 from specdec.outputs import RequestOutput, TokenLogprobs
 from specdec.pooling import EmbeddingRequestOutput, PoolingParams
 from specdec.scoring import ScoringRequestOutput
@@ -18,6 +19,7 @@ __all__ = [
     "ChatOptions",
     "EmbeddingRequestOutput",
     "EngineConfig",
+    "LoRARequest",
     "PoolingParams",
     "RequestOutput",
     "SamplingParams",

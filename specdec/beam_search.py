@@ -44,6 +44,7 @@ from specdec.config import SamplingParams
 
 if TYPE_CHECKING:
     from specdec.llm import LLM
+    from specdec.lora import LoRARequest
 
 MAX_BEAM_WIDTH = 10  # vLLM's and transformers' common use; each beam is a request per step
 
@@ -138,9 +139,10 @@ class SearchResult:
 
 
 def beam_search(
-    llm: LLM, prompts: list[list[int]], params: BeamSearchParams
+    llm: LLM, prompts: list[list[int]], params: BeamSearchParams, lora: LoRARequest | None = None
 ) -> list[BeamSearchOutput]:
-    """``LLM.beam_search``: every prompt's ``beam_width`` best continuations, best first."""
+    """``LLM.beam_search``: every prompt's ``beam_width`` best continuations, best first (through
+    the LoRA adapter ``lora`` where given)."""
     eos = () if params.ignore_eos else tuple(llm.engine.eos_token_ids)
     search = Search(
         params.beam_width,
@@ -152,7 +154,7 @@ def beam_search(
     )
     detokenizer = llm.engine.detokenizer
     results = []
-    for prompt, beams in zip(prompts, run(llm, prompts, search).completed):
+    for prompt, beams in zip(prompts, run(llm, prompts, search, lora).completed):
         for beam in beams:  # a completing end-of-sequence token's text only where asked for
             body = beam.token_ids[:-1] if beam.finished else beam.token_ids
             beam.text = detokenizer.decode(body)
@@ -170,11 +172,13 @@ def step_params() -> SamplingParams:
     )
 
 
-def run(llm: LLM, prompts: list[list[int]], search: Search) -> SearchResult:
+def run(
+    llm: LLM, prompts: list[list[int]], search: Search, lora: LoRARequest | None = None
+) -> SearchResult:
     """Search every prompt's beams, the live beams of all prompts in one engine batch a step."""
     searcher = BeamSearcher(prompts, search)
     while requests := searcher.requests():
-        outputs = llm.generate(requests, step_params())
+        outputs = llm.generate(requests, step_params(), lora_request=lora)
         searcher.advance(torch.cat([out.logits for out in outputs if out.logits is not None]))
     return searcher.result
 

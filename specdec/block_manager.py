@@ -15,6 +15,10 @@ whose tokens continue those (a beam extended by one token, the next turn of a co
 a fresh block and a copy of that block's K/V instead of recomputing up to ``block_size - 1``
 tokens: the source block is pinned until the step's copies are done (:meth:`take_copies`,
 :meth:`release_copies`; the model runner copies), since it may not be shared and written.
+
+A sequence that runs through a LoRA adapter computes other K/V for the same tokens, so its hash
+chain starts from its adapter's key (vLLM's rule): blocks are shared between sequences of one
+adapter, never across adapters or with the base model.
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ class BlockManager:
         assert not seq.block_table and seq.num_computed_tokens == 0
         if not self.enable_prefix_caching:
             return
-        parent: int | None = None
+        parent = _root(seq)
         for i in range((seq.num_tokens - 1) // self.block_size):
             block_hash = self.hash_block(parent, seq.token_ids, i)
             block_id = self.cached_blocks.get(block_hash)
@@ -124,7 +128,7 @@ class BlockManager:
             return
         num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         for i in range(len(seq.block_hashes), num_full):
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            parent = seq.block_hashes[-1] if seq.block_hashes else _root(seq)
             block_hash = self.hash_block(parent, seq.token_ids, i)
             seq.block_hashes.append(block_hash)
             block_id = seq.block_table[i]
@@ -155,7 +159,7 @@ class BlockManager:
             return
         block_id = seq.block_table[full]  # (a copy still pending has the source's key: skipped)
         start = full * self.block_size
-        parent = seq.block_hashes[full - 1] if full else None
+        parent = seq.block_hashes[full - 1] if full else _root(seq)
         key = self.hash_partial(parent, seq.token_ids[start : start + rest])
         if self.ref_counts[block_id] == 1 and key not in self.cached_blocks:
             self.cached_blocks[key] = block_id
@@ -194,3 +198,8 @@ class BlockManager:
         if block_hash is not None:
             del self.cached_blocks[block_hash]
             self.block_hash[block_id] = None
+
+
+def _root(seq: Sequence) -> int | None:
+    """The parent of a sequence's first block: none for the base model, else its adapter's."""
+    return hash(("lora", seq.lora_key)) if seq.lora_key else None

@@ -22,6 +22,7 @@ from specdec.drafters.policy import AdaptivePolicy
 from specdec.drafters.registry import SpecConfig, build_speculation
 from specdec.engine_config import EngineConfig
 from specdec.loader import LoadedCheckpoint, end_of_sequence_ids
+from specdec.lora import LoRARequest, lora_manager
 from specdec.models.llama import LlamaForCausalLM
 from specdec.outputs import RequestOutput, TokenLogprobs
 from specdec.pooling import Pooler, PoolingParams
@@ -82,6 +83,7 @@ class Engine:
         self.requests: dict[int, Sequence] = {}
         self._ids = itertools.count()
         self._seeds = None if config.seed is None else torch.Generator().manual_seed(config.seed)
+        self.loras = lora_manager(model, config)  # None without enable_lora
         self.drafter: Drafter | None = None
         self.policy: AdaptivePolicy | None = None
         if speculative is not None:
@@ -92,12 +94,14 @@ class Engine:
         prompt_token_ids: list[int],
         params: SamplingParams | PoolingParams,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> int:
         """Queue a request; bad prompts raise ``ValueError`` before anything is allocated.
         ``params``: how to sample, or, as in vLLM, ``PoolingParams`` for an embedding request
         (its final output carries the pooled prompt states, see :mod:`specdec.pooling`).
         ``priority``: under the ``"priority"`` scheduling policy, lower runs first (any integer;
-        the ``"fcfs"`` policy takes 0 only, as vLLM's)."""
+        the ``"fcfs"`` policy takes 0 only, as vLLM's). ``lora_request``: the LoRA adapter to
+        run it through (see :mod:`specdec.lora`), loaded on first use."""
         check_priority(priority, self.scheduler.by_priority)
         pooling = params if isinstance(params, PoolingParams) else None
         if pooling is not None:
@@ -131,6 +135,7 @@ class Engine:
         ):
             if any(t >= self.vocab_size for t in ids):  # SamplingParams refused negative ones
                 raise ValueError(f"{name} token ids must lie in [0, {self.vocab_size})")
+        lora_key = self._lora_key(lora_request)  # last: loading may let another adapter go
         seq = Sequence(
             next(self._ids),
             list(prompt_token_ids),
@@ -139,6 +144,7 @@ class Engine:
             self.eos_token_ids,
             seeds=self._seeds,
             priority=priority,
+            lora_key=lora_key,
         )
         seq.guide = self.guides.for_params(params)
         if pooling is not None:
@@ -148,6 +154,31 @@ class Engine:
         self.requests[seq.seq_id] = seq
         self.scheduler.add(seq)
         return seq.seq_id
+
+    def _lora_key(self, request: LoRARequest | None) -> int:
+        if request is None:
+            return 0
+        if self.loras is None:
+            raise ValueError(
+                f"LoRA adapter {request.name!r} asked for, but LoRA is not enabled: pass "
+                "enable_lora=True (--enable-lora)"
+            )
+        return self.loras.acquire(request, self._loras_in_use())
+
+    def add_lora(self, request: LoRARequest) -> bool:
+        """Load an adapter before any request asks for it (vLLM's ``add_lora``)."""
+        return self._lora_key(request) > 0
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Let go of a loaded adapter (False: none has that id); refused while requests use it."""
+        return self.loras is not None and self.loras.remove(lora_int_id, self._loras_in_use())
+
+    def _loras_in_use(self) -> set[int]:
+        return {seq.lora_key for seq in self.requests.values()}
+
+    def list_loras(self) -> set[int]:
+        """The ids of the loaded adapters."""
+        return set() if self.loras is None else set(self.loras.loaded)
 
     def prompt_limit(self, truncate_prompt_tokens: int) -> int:
         """How many of a prompt's last tokens ``truncate_prompt_tokens`` keeps (see

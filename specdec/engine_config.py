@@ -47,6 +47,13 @@ class EngineConfig:
     # how an embedding request's prompt states are pooled (see specdec.pooling): "last" (vLLM's
     # default for a decoder-only model), "mean" or "cls" (vLLM's pooler_config pooling_type)
     pooling_type: str = "last"
+    # LoRA adapters (see specdec.lora; vLLM's options): requests may name an adapter; at most
+    # max_loras adapters in one step, of rank at most max_lora_rank, and max_cpu_loras kept
+    # loaded (None: max_loras)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> EngineConfig:
@@ -96,6 +103,13 @@ class EngineConfig:
         _check(
             self.pooling_type in POOLING_TYPES,
             f"pooling_type must be one of {POOLING_TYPES}, got {self.pooling_type!r}",
+        )
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            _check(value > 0, f"{name} must be positive, got {value}")
+        _check(
+            self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+            f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})",
         )
         resolve_device(self.device)  # a bad name fails here, where it was written
 

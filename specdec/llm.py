@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -13,6 +12,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from specdec.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from specdec.chat_render import ChatOptions, Conversation, render_chat
 from specdec.config import SamplingParams
 from specdec.drafters.registry import SpecConfig
 from specdec.engine import Engine
@@ -24,6 +24,7 @@ from specdec.loader import (
     prequantized_weights,
     resolve_dtype,
 )
+from specdec.lora import LoRARequest
 from specdec.models.llama import LlamaForCausalLM
 from specdec.models.quant import check_quantization
 from specdec.outputs import RequestOutput, merge_delta
@@ -34,28 +35,12 @@ from specdec.prompt_inputs import (
     as_prompt_list,
     completion_params,
     dict_prompt,
+    loras_for,
     params_for,
     priorities_for,
     to_token_ids,
 )
 from specdec.scoring import ScoringRequestOutput, score_pairs, scoring_outputs
-
-Conversation = list[dict[str, str]]
-# apply_chat_template's own arguments, which template variables must not override
-CHAT_TEMPLATE_ARGUMENTS = frozenset(
-    inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
-) - {"self", "kwargs"}
-
-
-@dataclass(frozen=True, slots=True)
-class ChatOptions:
-    """How a conversation is rendered into a prompt (vLLM's chat request fields)."""
-
-    add_generation_prompt: bool = True  # open the assistant's turn after the last message
-    continue_final_message: bool = False  # or leave the final message open, to be continued
-    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
-    tools: list[Any] | None = None  # functions the model may call (OpenAI's format)
-    chat_template: str | None = None  # a Jinja template instead of the tokenizer's own
 
 
 class LLM:
@@ -156,20 +141,27 @@ class LLM:
         *,
         use_tqdm: bool = False,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate a completion for each prompt (text, token ids, or vLLM's `{"prompt": ...}` /
         `{"prompt_token_ids": ...}` dictionaries; no chat template), with one
         ``SamplingParams`` for all or one per prompt; ``use_tqdm`` shows a progress bar of
         finished requests, as vLLM's does. With ``n > 1`` a prompt's output holds its first
         completion and ``more_completions`` the rest (``outputs`` lists them all).
-        ``priority``: one per prompt, lower first, under ``scheduling_policy="priority"``."""
+        ``priority``: one per prompt, lower first, under ``scheduling_policy="priority"``.
+        ``lora_request``: the LoRA adapter to run through, for all or per prompt (see
+        :mod:`specdec.lora`; the engine needs ``enable_lora=True``)."""
         prompt_list = as_prompt_list(prompts)
         sampling_params = sampling_params or self.get_default_sampling_params()
         param_list = params_for(sampling_params, SamplingParams, len(prompt_list))
+        ranks = priorities_for(priority, prompt_list)
+        loras = loras_for(lora_request, len(prompt_list))
         jobs: list[Job] = []
-        for prompt, sp, rank in zip(prompt_list, param_list, priorities_for(priority, prompt_list)):
+        for prompt, sp, rank, lora in zip(prompt_list, param_list, ranks, loras):
             text, ids = self._text_and_ids(prompt)
-            jobs += [Job(ids, completion_params(sp, choice), rank, text) for choice in range(sp.n)]
+            jobs += [
+                Job(ids, completion_params(sp, choice), rank, text, lora) for choice in range(sp.n)
+            ]
         outputs = iter(self._run(jobs, use_tqdm))
         firsts = []
         for sp in param_list:  # a prompt's completions are consecutive
@@ -185,6 +177,7 @@ class LLM:
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = False,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """Each prompt's embedding: its final hidden states pooled as the engine's
         ``pooling_type`` says (the last token's by default) and, unless ``normalize=False``,
@@ -197,9 +190,10 @@ class LLM:
                 replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in pooling_list
             ]
         jobs, ranks = [], priorities_for(priority, prompt_list)
-        for prompt, pp, rank in zip(prompt_list, pooling_list, ranks):
+        loras = loras_for(lora_request, len(ranks))
+        for prompt, pp, rank, lora in zip(prompt_list, pooling_list, ranks, loras):
             text, ids = self._text_and_ids(prompt)
-            jobs.append(Job(ids, pp, rank, text))
+            jobs.append(Job(ids, pp, rank, text, lora))
         return [
             EmbeddingRequestOutput(
                 out.request_id,
@@ -238,7 +232,9 @@ class LLM:
         progress = tqdm(total=len(jobs), disable=not use_tqdm)
         try:  # on any error (a bad prompt, Ctrl-C), abort what was queued: nothing is left behind
             for job in jobs:
-                request_id = self.engine.add_request(job.token_ids, job.params, job.priority)
+                request_id = self.engine.add_request(
+                    job.token_ids, job.params, job.priority, job.lora
+                )
                 results[request_id] = RequestOutput(request_id, job.token_ids, prompt=job.text)
             unfinished = len(results)
             while unfinished and self.engine.has_unfinished():  # open streams advance too
@@ -272,6 +268,7 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[Any] | None = None,
         chat_template: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate a reply for each conversation, through the tokenizer's chat template, or
         ``chat_template`` (a Jinja template) instead (see :meth:`render_chat` for the options;
@@ -284,18 +281,24 @@ class LLM:
             chat_template,
         )  # fmt: skip
         prompts = [self.render_chat(c, options) for c in conversations]  # type: ignore[arg-type]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def beam_search(
-        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | None = None,
     ) -> list[BeamSearchOutput]:
         """Each prompt's ``params.beam_width`` best continuations by beam search (vLLM's
         ``LLM.beam_search``; see :mod:`specdec.beam_search`), best first."""
         encoded = [self.encode(p) for p in as_prompt_list(prompts)]
-        return beam_search(self, encoded, params)
+        return beam_search(self, encoded, params, lora_request)
 
     def stream(
-        self, prompt: Prompt, sampling_params: SamplingParams | None = None
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Iterator[RequestOutput]:
         """Yield deltas (new tokens and text) of one request as they are produced.
 
@@ -306,7 +309,7 @@ class LLM:
         params = sampling_params or self.get_default_sampling_params()
         if params.n != 1:
             raise ValueError(f"stream gives one completion: n must be 1, got {params.n}")
-        request_id = self._add(prompt, params)
+        request_id = self.engine.add_request(self.encode(prompt), params, 0, lora_request)
         queued = self._streams[request_id] = []
         try:
             while queued or self.engine.has_unfinished():
@@ -337,36 +340,9 @@ class LLM:
         return self.encode(self.render_chat(conversation, options))
 
     def render_chat(self, conversation: Conversation, options: ChatOptions | None = None) -> str:
-        """The prompt text of ``conversation`` through the tokenizer's chat template.
-
-        ``options`` (:class:`ChatOptions`, as vLLM's chat fields): open the assistant's turn (the
-        default), or continue the final message instead (a reply started for the model), and
-        extra variables for the template. Raises ``ValueError`` for an empty conversation, both
-        options at once, or template variables that name the template's own arguments.
-        """
-        options = options or ChatOptions()
-        if not conversation:
-            raise ValueError("conversation is empty: give at least one message")
-        if options.add_generation_prompt and options.continue_final_message:
-            raise ValueError(
-                "add_generation_prompt and continue_final_message cannot both be true: open a "
-                "new assistant turn, or continue the final message"
-            )
-        kwargs = dict(options.chat_template_kwargs or {})
-        reserved = sorted(set(kwargs) & CHAT_TEMPLATE_ARGUMENTS)
-        if reserved:
-            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
-        text = self.tokenizer.apply_chat_template(
-            conversation,
-            add_generation_prompt=options.add_generation_prompt,
-            continue_final_message=options.continue_final_message,
-            tools=options.tools,
-            chat_template=options.chat_template,
-            tokenize=False,
-            **kwargs,
-        )
-        assert isinstance(text, str)
-        return text
+        """The prompt text of ``conversation`` through the tokenizer's chat template (see
+        :func:`specdec.chat_render.render_chat`)."""
+        return render_chat(self.tokenizer, conversation, options)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate``, ``chat`` and ``stream`` take without parameters (vLLM's method):
@@ -394,6 +370,3 @@ class LLM:
     def decode(self, token_ids: list[int]) -> str:
         """The text of ``token_ids``, special tokens kept (the inverse of :meth:`encode`)."""
         return str(self.tokenizer.decode(token_ids))
-
-    def _add(self, prompt: Prompt, params: SamplingParams) -> int:
-        return self.engine.add_request(self.encode(prompt), params)

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from specdec.config import SamplingParams, choice_seed
+from specdec.lora import LoRARequest
 from specdec.pooling import PoolingParams
 
 # Raw text, token ids, or vLLM's prompt dictionaries: {"prompt": text} (TextPrompt) or
@@ -72,6 +73,15 @@ def priorities_for(priority: Sequence[int] | None, prompts: list[Prompt]) -> lis
     return priorities
 
 
+def loras_for(lora_request: Any, n: int) -> list[LoRARequest | None]:  # noqa: ANN401
+    """``n`` LoRA requests: none, one for every prompt, or one (or None) per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    if len(lora_request) != n:
+        raise ValueError(f"got {len(lora_request)} LoRA requests for {n} prompts")
+    return list(lora_request)
+
+
 def params_for(params: Any, kind: type[T], n: int) -> list[T]:  # noqa: ANN401
     """``n`` parameter objects of ``kind`` (``SamplingParams``, ``PoolingParams``): one given
     for every prompt, one per prompt, or the defaults where none is given."""
@@ -91,6 +101,7 @@ class Job:
     params: SamplingParams | PoolingParams
     priority: int = 0
     text: str | None = None
+    lora: LoRARequest | None = None  # the LoRA adapter it runs through
 
 
 def completion_params(params: SamplingParams, choice: int) -> SamplingParams:

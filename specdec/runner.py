@@ -22,6 +22,7 @@ from specdec.attention import AttentionMetadata
 from specdec.cuda_graphs import CaptureError, StepGraphs
 from specdec.models.layer_outputs import AttentionProbe, forward_with_layers
 from specdec.models.llama import LlamaForCausalLM
+from specdec.models.lora import adapter_rows
 from specdec.outputs import TokenLogprobs
 from specdec.sampling import token_logprobs
 from specdec.scheduler import SchedulerOutput
@@ -69,6 +70,7 @@ class QueryChunk:
     start: int  # position of the first token (the tokens before it are in the KV cache)
     block_table: list[int]  # KV block ids covering every position fed
     num_logit_rows: int = 0  # logits wanted for this many last tokens
+    lora_key: int = 0  # the LoRA adapter its tokens run through (0: none; see specdec.lora)
 
     @property
     def end(self) -> int:
@@ -230,10 +232,8 @@ class ModelRunner:
         )
 
     def run(self, out: SchedulerOutput, keep_token_hidden_states: bool = False) -> StepResult:
-        """One target forward over every scheduled sequence's query tokens; with
-        ``keep_token_hidden_states``, the hidden state of every query token is kept too. The
-        step's block copies (cached partial blocks, see :mod:`specdec.block_manager`) are made
-        first."""
+        """One target forward over every scheduled sequence's query tokens (the hidden state of
+        each kept with ``keep_token_hidden_states``), after the step's block copies."""
         if out.copies:
             self.copy_blocks(out.copies)
         chunks: list[QueryChunk] = []
@@ -244,7 +244,7 @@ class ModelRunner:
             tokens = seq.token_ids[start : start + n]  # then drafts fill the rest of the query
             tokens += seq.spec_token_ids[: n - len(tokens)]
             rows = len(seq.spec_token_ids) + 1 if out.samples(i) else 0
-            chunks.append(QueryChunk(tokens, start, seq.block_table, rows))
+            chunks.append(QueryChunk(tokens, start, seq.block_table, rows, seq.lora_key))
             if rows:
                 sample_indices.append(i)
                 num_logit_rows.append(rows)
@@ -372,25 +372,23 @@ class ModelRunner:
             )
             meta.replace_tensors(meta_tensors)
         layers = None
-        if layer_rows is None:
-            hidden = self.model(step[0], step[1], meta)
-        else:
-            kept = torch.tensor(layer_rows, dtype=torch.long, device=self.device)
-            hidden, states, probs = forward_with_layers(
-                self.model, step[0], step[1], meta, kept, probes
-            )
-            layers = states, probs
+        with adapter_rows(self.model, chunks):  # which rows each LoRA adapter takes
+            if layer_rows is None:
+                hidden = self.model(step[0], step[1], meta)
+            else:
+                kept = torch.tensor(layer_rows, dtype=torch.long, device=self.device)
+                hidden, states, probs = forward_with_layers(
+                    self.model, step[0], step[1], meta, kept, probes
+                )
+                layers = states, probs
         rows = hidden[rows_index]
         return self.model.compute_logits(rows).float(), rows, hidden, layers
 
     @torch.inference_mode()
     def dummy_forward(self, num_tokens: int) -> None:
         """One forward of a made-up ``num_tokens`` prompt with logits at every token, as a step
-        verifying ``num_tokens`` query tokens needs; for timing, and only before serving.
-
-        It writes K/V into the first blocks of the pool, which is harmless only while no block
-        is in use or cached.
-        """
+        verifying ``num_tokens`` query tokens needs; for timing, and only before serving (it
+        writes K/V into the first blocks of the pool, harmless only while none is in use)."""
         num_tokens = min(num_tokens, self.k_caches[0].shape[0] * self.block_size)
         blocks = list(range(-(-num_tokens // self.block_size)))
         chunk = QueryChunk([0] * num_tokens, 0, blocks, num_tokens)

@@ -6,7 +6,8 @@ chunked when it exceeds the budget), a plain decode (one token) and draft verifi
 token plus the drafts): there is no separate speculative phase. Running sequences are served
 first, oldest first; waiting ones are admitted while the budget, ``max_num_seqs`` and KV memory
 allow, except that one whose prompt shares full blocks with a running sequence's still being
-prefilled waits for them, to take them from the prefix cache. When KV blocks run out, the newest
+prefilled waits for them, to take them from the prefix cache, and one whose LoRA adapter would be
+one more than ``max_loras`` in the step waits for one to finish. When KV blocks run out, the newest
 running sequence is preempted: its blocks are freed and it is recomputed later from its tokens,
 which changes no output.
 
@@ -87,7 +88,7 @@ class Scheduler:
                 budget -= num_tokens
         deferred: list[Sequence] = []  # waiting for a running sequence to prefill their prefix
         while self.waiting and budget and len(self.running) < self.config.max_num_seqs:
-            if self._shares_a_prefill(self.waiting[0]):
+            if self._shares_a_prefill(self.waiting[0]) or self._lora_slots_full(self.waiting[0]):
                 deferred.append(self.waiting.popleft())
                 continue
             num_tokens = self._admit(self.waiting[0], budget)
@@ -117,10 +118,20 @@ class Scheduler:
         for other in self.running:
             if other.num_computed_tokens >= other.num_prompt_tokens or other.token_ids[:bs] != head:
                 continue
+            if other.lora_key != seq.lora_key:  # other K/V for the same tokens
+                continue
             shared = len(os.path.commonprefix([seq.prompt_token_ids, other.prompt_token_ids]))
             if other.num_computed_tokens < shared // bs * bs:
                 return True
         return False
+
+    def _lora_slots_full(self, seq: Sequence) -> bool:
+        """Whether ``seq`` runs through a LoRA adapter that no running sequence uses while
+        ``max_loras`` adapters already run (vLLM's limit on the adapters of one step)."""
+        if not seq.lora_key:
+            return False
+        running = {other.lora_key for other in self.running if other.lora_key}
+        return seq.lora_key not in running and len(running) >= self.config.max_loras
 
     def _fit_running(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> int:
         """Allocate KV for ``num_tokens`` more positions, shedding drafts, then preempting."""

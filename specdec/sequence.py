@@ -101,6 +101,7 @@ class Sequence:
     # long Python list converts the list each time)
     allowed_ids: torch.Tensor | None = field(default=None, init=False)
     priority: int = 0  # with the "priority" scheduling policy: lower runs first
+    lora_key: int = 0  # the LoRA adapter its tokens run through (specdec.lora); 0: none
     # an embedding request's pooler (LLM.embed, /v1/embeddings): its prompt's final states pooled
     pooler: Pooler | None = None
     seed: int = field(init=False)  # noise seed: params.seed, else drawn at creation

@@ -28,6 +28,7 @@ from specdec.models.linear import (
     prepack_linears,
     use_row_kernels,
 )
+from specdec.models.lora import LoRARows
 from specdec.models.quant import QuantLinear, QuantWeight, quantize_linears
 
 FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}  # config.model_type
@@ -129,11 +130,8 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [N, D] each, in the model'
 class Attention(nn.Module):
     def __init__(self, cfg: ModelArchConfig):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-        )
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(
@@ -200,12 +198,10 @@ class DecoderLayer(nn.Module):
         rope: Rope,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return this layer's output and the residual stream it was computed from.
-
-        The residual add is fused into the RMSNorm after it, as vLLM does, so a layer makes one
-        call where it would make two; the stream is updated in place. Direct ``.forward`` calls:
-        ``nn.Module.__call__`` costs more than a small decode op here.
-        """
+        """This layer's output and the residual stream it was computed from. The residual add is
+        fused into the RMSNorm after it, as vLLM does (one call where it would make two; the
+        stream is updated in place). Direct ``.forward`` calls: ``nn.Module.__call__`` costs
+        more than a small decode op here."""
         if residual is None:
             residual = x
             h = self.input_layernorm.forward(x)
@@ -231,6 +227,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.batch_invariant = False  # set by from_hf; the runner's attention follows it
         self.fused: FusedStack | None = None  # set by from_hf where the kernels take every layer
+        self.lora: LoRARows | None = None  # the adapters' rows, once LoRA is attached (lora.py)
 
     @property
     def attention_layers(self) -> list[Attention]:
@@ -241,7 +238,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [N, hidden]
         x = self.embed_tokens(input_ids)  # [N, hidden], a fresh tensor: the residual stream
         rope = self.rope(positions, x.dtype)
-        if self.fused is not None and self.fused.eligible(x, meta):
+        lora = self.lora is not None and self.lora.rows  # adapters in this step: Python layers
+        if self.fused is not None and not lora and self.fused.eligible(x, meta):
             return self.fused.forward(x, rope, meta)  # the same ops in one C++ call
         residual = None
         for layer in self.layers:

@@ -71,6 +71,10 @@ def test_serve_binds_loopback_and_takes_the_api_key_from_the_environment(capture
             "seed": 11,
             "generation_config": "auto",
             "override_generation_config": None,
+            "enable_lora": False,
+            "max_loras": 1,
+            "max_lora_rank": 16,
+            "max_cpu_loras": None,
             "speculative": None,
         },
     )

@@ -83,8 +83,8 @@ def test_priorities_change_no_output(make_server, offline):
     served = make_server(scheduling_policy="priority")
     engine, seen = served.llm.engine, []
     add = engine.add_request
-    engine.add_request = lambda ids, params, priority=0: (  # type: ignore[method-assign]
-        seen.append(priority) or add(ids, params, priority)
+    engine.add_request = lambda ids, params, priority=0, lora=None: (  # type: ignore[method-assign]
+        seen.append(priority) or add(ids, params, priority, lora)
     )
     texts = []
     for priority in (-7, 0, 12):

@@ -237,8 +237,8 @@ def test_each_parser_reads_its_syntax_whole_and_streamed(make_server, syntax):
     served = make_server(config)
     engine, skips = served.llm.engine, []
     add = engine.add_request
-    engine.add_request = lambda ids, params, priority=0: (  # type: ignore[method-assign]
-        skips.append(params.skip_special_tokens) or add(ids, params, priority)
+    engine.add_request = lambda ids, params, priority=0, lora=None: (  # type: ignore[method-assign]
+        skips.append(params.skip_special_tokens) or add(ids, params, priority, lora)
     )
     text = SYNTAX_REPLIES[syntax]
     body = {"messages": CHAT, "tools": TOOLS, "max_tokens": 120, "temperature": 0,
