@@ -8,12 +8,18 @@
 // decodes and verifications (one group of queries, padded or not: see specdec/attention.py), so
 // every row gets the bits the Python path gives it; the tests compare the two bit for bit.
 // Prompt chunks, which the Python path splits into groups and sends through SDPA, stay in Python.
+//
+// LoRA adapters (specdec/models/lora.py) add their deltas the way LoRALinear.forward does: after
+// a linear, each adapter of the step, in the step's order, adds up(down(x)) to its rows (to
+// every row with `y += d`, else gathered and added back with index_add_), on the same kernels.
 
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
 #include "cpu_simd.h"
 
+#include <map>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -50,6 +56,33 @@ struct StackLinear {
   }
 };
 
+// One adapter's delta on one linear: up(down(x)), the scale folded into up.
+struct StackDelta {
+  StackLinear down, up;
+
+  StackDelta(StackLinear down, StackLinear up) : down(std::move(down)), up(std::move(up)) {}
+
+  // y += the delta of x's rows `rows` (every row where it holds no tensor), as LoRALinear does.
+  void add_to(torch::Tensor& y, const torch::Tensor& x, const OptionalTensor& rows) const {
+    if (!rows.has_value()) {
+      y.add_(up(down(x.contiguous())));
+    } else {
+      y.index_add_(0, *rows, up(down(x.index_select(0, *rows).contiguous())));
+    }
+  }
+};
+
+// One adapter's deltas on one layer's four linears (none where it leaves a linear alone).
+struct AdapterLayer {
+  std::optional<StackDelta> qkv, o, gate_up, down;
+
+  AdapterLayer(std::optional<StackDelta> qkv, std::optional<StackDelta> o,
+               std::optional<StackDelta> gate_up, std::optional<StackDelta> down)
+      : qkv(std::move(qkv)), o(std::move(o)), gate_up(std::move(gate_up)), down(std::move(down)) {}
+};
+
+using Adapters = std::map<int64_t, std::vector<AdapterLayer>>;  // adapter key -> its layers
+
 struct StackLayer {
   torch::Tensor input_norm, post_norm;  // RMSNorm weights
   StackLinear qkv, o, gate_up, down;
@@ -65,17 +98,40 @@ struct StackLayer {
 class DecoderStack {
  public:
   DecoderStack(std::vector<StackLayer> layers, torch::Tensor final_norm, int64_t heads,
-               int64_t kv_heads, int64_t head_dim, double scale, double eps)
+               int64_t kv_heads, int64_t head_dim, double scale, double eps, Adapters adapters)
       : layers_(std::move(layers)), final_norm_(std::move(final_norm)), heads_(heads),
-        kv_heads_(kv_heads), head_dim_(head_dim), scale_(scale), eps_(eps) {}
+        kv_heads_(kv_heads), head_dim_(head_dim), scale_(scale), eps_(eps),
+        adapters_(std::move(adapters)) {
+    for (const auto& [key, adapter_layers] : adapters_)
+      TORCH_CHECK(adapter_layers.size() == layers_.size(), "adapter ", key, " has ",
+                  adapter_layers.size(), " layers, the stack ", layers_.size());
+  }
 
   // The final hidden states [N, hidden] of N query tokens whose embeddings are `x` (a fresh
   // tensor: it becomes the residual stream, updated in place), as LlamaForCausalLM.forward.
+  // `lora_keys[a]` is an adapter of the step and `lora_rows[a]` its rows (none: every row).
   torch::Tensor forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& slots, const torch::Tensor& query_index,
                         const torch::Tensor& key_slots, const torch::Tensor& query_lens,
                         const torch::Tensor& context_lens, const torch::Tensor& valid_index,
-                        const torch::Tensor& valid_rows, bool dense) {
+                        const torch::Tensor& valid_rows, bool dense,
+                        const std::vector<int64_t>& lora_keys,
+                        const std::vector<OptionalTensor>& lora_rows) {
+    TORCH_CHECK(lora_keys.size() == lora_rows.size(), "one row set per adapter");
+    std::vector<const std::vector<AdapterLayer>*> step_adapters;
+    for (const int64_t key : lora_keys) {
+      const auto found = adapters_.find(key);
+      TORCH_CHECK(found != adapters_.end(), "adapter ", key, " is not in the stack");
+      step_adapters.push_back(&found->second);
+    }
+    // y += every adapter's delta of input x on `part` of layer i
+    const auto deltas = [&](torch::Tensor& y, const torch::Tensor& x, size_t i,
+                            std::optional<StackDelta> AdapterLayer::*part) {
+      for (size_t a = 0; a < step_adapters.size(); a++) {
+        const std::optional<StackDelta>& delta = (*step_adapters[a])[i].*part;
+        if (delta.has_value()) delta->add_to(y, x, lora_rows[a]);
+      }
+    };
     const int64_t n = x.size(0);
     torch::Tensor residual;
     for (size_t i = 0; i < layers_.size(); i++) {
@@ -88,6 +144,7 @@ class DecoderStack {
         h = add_rms_norm_(residual, x, l.input_norm, eps_);
       }
       torch::Tensor qkv = l.qkv(h);
+      deltas(qkv, h, i, &AdapterLayer::qkv);
       rope_(qkv, cos, sin, heads_ + kv_heads_, head_dim_);
       const auto parts =
           qkv.view({n, -1, head_dim_}).split_with_sizes({heads_, kv_heads_, kv_heads_}, 1);
@@ -98,9 +155,15 @@ class DecoderStack {
         const torch::Tensor rows = attention.flatten(0, 1).index_select(0, valid_rows);
         attention = torch::empty_like(parts[0]).index_copy_(0, valid_index, rows);
       }
-      const torch::Tensor o = l.o(attention.reshape({n, heads_ * head_dim_}));
+      const torch::Tensor flat = attention.reshape({n, heads_ * head_dim_});
+      torch::Tensor o = l.o(flat);
+      deltas(o, flat, i, &AdapterLayer::o);
       h = add_rms_norm_(residual, o, l.post_norm, eps_);
-      x = l.down(silu_mul(l.gate_up(h)));
+      torch::Tensor gate_up = l.gate_up(h);
+      deltas(gate_up, h, i, &AdapterLayer::gate_up);
+      const torch::Tensor activated = silu_mul(gate_up);
+      x = l.down(activated);
+      deltas(x, activated, i, &AdapterLayer::down);
     }
     return add_rms_norm_(residual, x, final_norm_, eps_);
   }
@@ -110,6 +173,7 @@ class DecoderStack {
   torch::Tensor final_norm_;
   int64_t heads_, kv_heads_, head_dim_;
   double scale_, eps_;
+  Adapters adapters_;
 };
 
 }  // namespace
@@ -119,11 +183,15 @@ void register_decoder_stack(pybind11::module& m) {
   py::class_<StackLinear>(m, "StackLinear")
       .def(py::init<int64_t, torch::Tensor, OptionalTensor, OptionalTensor, OptionalTensor, int64_t,
                     int64_t, bool>());
+  py::class_<StackDelta>(m, "StackDelta").def(py::init<StackLinear, StackLinear>());
+  py::class_<AdapterLayer>(m, "AdapterLayer")
+      .def(py::init<std::optional<StackDelta>, std::optional<StackDelta>,
+                    std::optional<StackDelta>, std::optional<StackDelta>>());
   py::class_<StackLayer>(m, "StackLayer")
       .def(py::init<torch::Tensor, torch::Tensor, StackLinear, StackLinear, StackLinear,
                     StackLinear, torch::Tensor, torch::Tensor>());
   py::class_<DecoderStack>(m, "DecoderStack")
       .def(py::init<std::vector<StackLayer>, torch::Tensor, int64_t, int64_t, int64_t, double,
-                    double>())
+                    double, Adapters>())
       .def("forward", &DecoderStack::forward, "a step of decodes and verifications, every layer");
 }

@@ -20,6 +20,9 @@ Modes (``--modes``, comma-separated; default ``offline,load``):
 * ``quant`` (:mod:`.quant`): float32, bfloat16, int8, int4, w8a8, w4a8 and bfloat16 with
   ``quantized_self`` drafts on the default model, single stream, with llama.cpp on the same GGUF
   file when installed; ``quantized_self`` acceptance; each quantization's agreement with float32.
+* ``embed`` (:mod:`.embed`): ``LLM.embed`` against transformers computing the same vectors.
+* ``lora`` (:mod:`.lora`): decoding through LoRA adapters (one, and several mixed in a step)
+  against the engine without one and against transformers with PEFT, on the default model.
 
 Then a recommendation (:mod:`.recommend`), and in ``out``: ``bench.json`` (every figure and the
 environment), ``bench.md`` and PNG plots. Every ratio compares systems run side by side in this
@@ -58,7 +61,7 @@ from specdec.eval.bench.systems import (
 )
 from specdec.eval.questions import DEFAULT_DATASET, by_category, read_questions
 
-MODES = ("offline", "load", "runtime", "kernels", "wrap", "quant", "embed")
+MODES = ("offline", "load", "runtime", "kernels", "wrap", "quant", "embed", "lora")
 RATE_MULTIPLIERS = (0.5, 1.0, 2.0, 4.0)  # of one stream's request rate, when no rates are given
 QUICK_RATE_MULTIPLIERS = (1.0, 4.0)
 
@@ -197,6 +200,13 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             texts, cfg.dtype, 1 if cfg.quick else 2, cfg.model, cfg.tokenizer,
             **cfg.engine_options,
         )  # fmt: skip
+    if "lora" in cfg.modes:
+        from specdec.eval.bench.lora import run_lora
+
+        conversations = [q.conversation() for q in firsts[: 4 if cfg.quick else 8]]
+        result["lora"] = run_lora(
+            conversations, cfg.max_new_tokens or 64, out, cfg.dtype, 1 if cfg.quick else 2
+        )
     result["failed"] = bool(result.get("offline", {}).get("mismatches"))
     (out / "bench.json").write_text(json.dumps(result, indent=2, default=str), encoding="utf-8")
     (out / "bench.md").write_text(report.markdown(result), encoding="utf-8")

@@ -166,6 +166,10 @@ def markdown(result: dict[str, Any]) -> str:
         from specdec.eval.bench.embed import markdown as embed_markdown
 
         parts += ["## LLM.embed against transformers\n", embed_markdown(result["embed"])]
+    if result.get("lora"):
+        from specdec.eval.bench.lora import markdown as lora_markdown
+
+        parts += ["## LoRA adapters\n", lora_markdown(result["lora"])]
     if result.get("quant"):
         from specdec.eval.bench.quant import markdown as quant_markdown
 

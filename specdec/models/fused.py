@@ -12,12 +12,16 @@ A step is eligible when it holds decodes and verifications only (one group of qu
 most ``NARROW_QUERY`` each, attended by the C++ kernel), on a model whose every decoder linear
 runs one of the three kernels: float32 packed in lanes, bfloat16 packed in pairs, or quantized.
 Anything else (prompt chunks, oneDNN's packed bf16, CUDA) runs the Python layers as before.
-``SPECDEC_FUSED_STACK=0`` turns it off.
+``SPECDEC_FUSED_STACK=0`` turns it off. LoRA adapters' deltas (:mod:`specdec.models.lora`) run
+in the stack too, on the same kernels and in the same order as ``LoRALinear``'s: each adapter
+loaded is handed to the stack (:meth:`FusedStack.add_adapter`), and each step passes its
+adapters' rows.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,6 +34,7 @@ from specdec.models.quant import QuantLinear
 if TYPE_CHECKING:
     from specdec.models.llama import LlamaForCausalLM, Rope
 
+LoRASteps = Sequence[tuple[int, torch.Tensor | None]]  # adapter key, its rows (None: all)
 FUSED_STACK_ENV = "SPECDEC_FUSED_STACK"  # "0": every step runs the Python layers
 LANES, PAIRS, QUANT = 0, 1, 2  # cpu_stack.cpp's StackLinear kinds
 
@@ -46,6 +51,7 @@ class FusedStack:
         self.attentions = model.attention_layers  # the layers whose K/V tensors the stack holds
         self.caches: list[torch.Tensor] = []  # the K/V tensors the stack was built with
         self.stack: Any = None
+        self.adapters: dict[int, list[Any]] = {}  # LoRA adapter key -> its AdapterLayers
 
     @staticmethod
     def build(model: LlamaForCausalLM) -> FusedStack | None:
@@ -66,9 +72,12 @@ class FusedStack:
             linears.append(converted)
         return FusedStack(model, kernels, linears)
 
-    def eligible(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Whether this step is one the stack runs (see the module docstring)."""
+    def eligible(self, x: torch.Tensor, meta: AttentionMetadata, lora_rows: LoRASteps) -> bool:
+        """Whether this step is one the stack runs (see the module docstring), its adapters
+        (``lora_rows``) all handed to the stack."""
         if meta.fresh_ranges or len(meta.groups) != 1:
+            return False
+        if any(key not in self.adapters for key, _ in lora_rows):
             return False
         if cpu_ops.extension_for(x) is None:  # the layer ops would not take the kernels either
             return False
@@ -77,14 +86,41 @@ class FusedStack:
             meta.invariant or group.query_index.shape[1] <= NARROW_QUERY
         )
 
-    def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
-        """The final hidden states of the step's tokens, embedded as ``x`` [N, hidden]."""
+    def forward(
+        self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata, lora_rows: LoRASteps = ()
+    ) -> torch.Tensor:
+        """The final hidden states of the step's tokens, embedded as ``x`` [N, hidden], with
+        each adapter of ``lora_rows`` on its rows."""
         stack = self._current()
         group = meta.groups[0]
         return stack.forward(
             x, rope[0], rope[1], meta.slot_mapping, group.query_index, group.key_slots,
             group.query_lens, group.context_lens, group.valid_index, group.valid_rows, meta.dense,
+            [key for key, _ in lora_rows], [rows for _, rows in lora_rows],
         )  # fmt: skip
+
+    def add_adapter(self, key: int, deltas: list[list[tuple[Any, Any] | None]]) -> None:
+        """Run LoRA adapter ``key`` in the stack: per layer, its (down, up) modules on the
+        qkv, o, gate_up and down linears (None: that linear is left alone). An adapter whose
+        modules are not on the stack's kernels is not handed over (its steps run in Python)."""
+        dtype = self.model.embed_tokens.weight.dtype
+        layers = []
+        for layer in deltas:
+            parts = []
+            for pair in layer:
+                converted = (
+                    None if pair is None else [_stack_linear(self.kernels, m, dtype) for m in pair]
+                )
+                if converted is not None and None in converted:
+                    return
+                parts.append(None if converted is None else self.kernels.StackDelta(*converted))
+            layers.append(self.kernels.AdapterLayer(*parts))
+        self.adapters[key] = layers
+        self.stack = None  # rebuilt with it on the next step
+
+    def remove_adapter(self, key: int) -> None:
+        if self.adapters.pop(key, None) is not None:
+            self.stack = None
 
     def _current(self) -> Any:
         # Called every step: a walk over the layers kept at build time, not the model's
@@ -109,7 +145,7 @@ class FusedStack:
             attn = self.attentions[0]
             self.stack = k.DecoderStack(
                 layers, model.norm.weight, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                attn.scale, cfg.rms_norm_eps,
+                attn.scale, cfg.rms_norm_eps, self.adapters,
             )  # fmt: skip
         return self.stack
 

@@ -238,9 +238,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [N, hidden]
         x = self.embed_tokens(input_ids)  # [N, hidden], a fresh tensor: the residual stream
         rope = self.rope(positions, x.dtype)
-        lora = self.lora is not None and self.lora.rows  # adapters in this step: Python layers
-        if self.fused is not None and not lora and self.fused.eligible(x, meta):
-            return self.fused.forward(x, rope, meta)  # the same ops in one C++ call
+        lora = self.lora.rows if self.lora is not None else []  # this step's adapters' rows
+        if self.fused is not None and self.fused.eligible(x, meta, lora):
+            return self.fused.forward(x, rope, meta, lora)  # the same ops in one C++ call
         residual = None
         for layer in self.layers:
             x, residual = layer.forward(x, residual, rope, meta)

@@ -14,7 +14,8 @@ The model's q/k/v and gate/up projections are fused, so an adapter's parts for t
 small matmuls run on the same kernels as the base linears (:mod:`specdec.models.linear`), the
 row-invariant ones in a batch-invariant model, and the delta is added row by row, so a row's
 result does not depend on the rest of the step: speculative decoding with an adapter gives the
-adapter's plain decoding exactly, as it does for the base model.
+adapter's plain decoding exactly, as it does for the base model. Decode and verification steps
+run the same deltas in the C++ decoder stack (:mod:`specdec.models.fused`), with the same bits.
 """
 
 from __future__ import annotations
@@ -125,6 +126,7 @@ def install_deltas(
     ``B`` [out, r] with the scale folded in), in the model's dtype, on the model's kernels."""
     rows = attach_lora(model)
     invariant = bool(model.batch_invariant)
+    installed: dict[str, tuple[nn.Module, nn.Module]] = {}
     for name, (a, b) in weights.items():
         down = nn.Linear(a.shape[1], a.shape[0], bias=False, device="meta")
         up = nn.Linear(b.shape[1], b.shape[0], bias=False, device="meta")
@@ -133,10 +135,15 @@ def install_deltas(
         pair = nn.ModuleList([down, up])
         use_row_kernels(pair, invariant=invariant)
         prepack_linears(pair, invariant=invariant)
-        rows.linears[name].deltas[key] = (pair[0], pair[1])
+        rows.linears[name].deltas[key] = installed[name] = (pair[0], pair[1])
+    if model.fused is not None:  # the C++ stack runs the adapter's decode steps too
+        names = [[f"layers.{i}.{path}" for path in ADAPTED] for i in range(len(model.layers))]
+        model.fused.add_adapter(key, [[installed.get(n) for n in layer] for layer in names])
 
 
 def remove_deltas(model: LlamaForCausalLM, key: int) -> None:
     """Drop adapter ``key``'s deltas from every LoRA linear."""
     for linear in attach_lora(model).linears.values():
         linear.deltas.pop(key, None)
+    if model.fused is not None:
+        model.fused.remove_adapter(key)

@@ -10,6 +10,7 @@ from specdec.models import fused
 from specdec.models.fused import FusedStack
 from specdec.models.linear import can_prepack
 from specdec.models.llama import LlamaForCausalLM
+from specdec.models.lora import install_deltas, remove_deltas
 from specdec.runner import ModelRunner, QueryChunk
 from tests.tiny import tiny_model
 
@@ -97,3 +98,62 @@ def test_stack_is_left_out_where_a_linear_has_no_kernel(monkeypatch: pytest.Monk
         assert build("llama", torch.bfloat16, None, batch_invariant=False).fused is None
     monkeypatch.setenv(fused.FUSED_STACK_ENV, "0")
     assert build("llama", torch.float32, None).fused is None
+
+
+def lora_steps(runner: ModelRunner, keys: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """As :func:`steps`, the sequences running through LoRA adapters ``keys`` (0: none)."""
+    torch.manual_seed(0)
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (13, 30, 7)]
+    tables = [list(range(i * 20, i * 20 + 20)) for i in range(3)]
+    runner.forward([QueryChunk(p, 0, t, 1, k) for p, t, k in zip(prompts, tables, keys)])
+    lengths, out = [len(p) for p in prompts], []
+    for queries in ([1, 1, 1], [5, 1, 3], [4, 4, 4], [1]):
+        chunks = [
+            QueryChunk(torch.randint(0, 256, (q,)).tolist(), lengths[i], tables[i], q, keys[i])
+            for i, q in enumerate(queries)
+        ]
+        logits, hidden, _, _ = runner.forward(chunks)
+        out.append((logits, hidden))
+        lengths = [n + 1 for n in lengths]
+    return out
+
+
+@pytest.mark.parametrize("name", ["float32", "bf16-invariant", "int4"])
+@pytest.mark.parametrize("keys", [[1, 0, 2], [1, 1, 1]])
+def test_stack_runs_lora_deltas_with_the_python_layers_bits(
+    name: str, keys: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Adapters on some rows, or one on every row: the stack's logits equal the Python
+    layers' bit for bit, and an adapter let go leaves the stack."""
+    arch, dtype, quantization = CONFIGS[name]
+    model = build(arch, dtype, quantization)
+    cfg = model.config
+    q, kv, h = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size
+    shapes = {"self_attn.qkv_proj": (h, q + 2 * kv), "self_attn.o_proj": (q, h),
+              "mlp.gate_up_proj": (h, 2 * cfg.intermediate_size),
+              "mlp.down_proj": (cfg.intermediate_size, h)}  # fmt: skip
+    torch.manual_seed(1)
+    for key, skip in ((1, "self_attn.o_proj"), (2, "mlp.down_proj")):  # each leaves one alone
+        weights = {
+            f"layers.{i}.{path}": (torch.randn(4, n_in).to(dtype), torch.randn(n_out, 4).to(dtype))
+            for i in range(cfg.num_layers)
+            for path, (n_in, n_out) in shapes.items()
+            if path != skip
+        }
+        install_deltas(model, key, weights)
+    stack = model.fused
+    assert isinstance(stack, FusedStack) and set(stack.adapters) == {1, 2}
+    calls = []
+    run = stack.forward
+    monkeypatch.setattr(stack, "forward", lambda *a: calls.append(1) or run(*a))
+    fast = lora_steps(ModelRunner(model, 64, BLOCK, dtype), keys)
+    assert len(calls) == 4
+    model.fused = None
+    slow = lora_steps(ModelRunner(model, 64, BLOCK, dtype), keys)
+    for (fast_logits, fast_hidden), (logits, hidden) in zip(fast, slow):
+        assert torch.equal(fast_logits, logits) and torch.equal(fast_hidden, hidden)
+    base = lora_steps(ModelRunner(model, 64, BLOCK, dtype), [0, 0, 0])
+    assert not torch.equal(base[0][0], slow[0][0])  # the adapters change the logits
+    model.fused = stack
+    remove_deltas(model, 1)
+    assert set(stack.adapters) == {2} and stack.stack is None
