@@ -213,6 +213,7 @@ class LLM:
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = False,
         pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[ScoringRequestOutput]:
         """The cosine similarity of each pair's embeddings (vLLM's ``LLM.score`` for an embedding
         model): one ``data_1`` against every ``data_2``, or lists of equal length pair by pair
@@ -221,7 +222,7 @@ class LLM:
         score_pairs(len(firsts), len(seconds))  # refuse a bad pairing before running anything
         embedded = self.embed(
             firsts + seconds, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
-            use_tqdm=use_tqdm,
+            use_tqdm=use_tqdm, lora_request=lora_request,
         )  # fmt: skip
         return scoring_outputs(embedded[: len(firsts)], embedded[len(firsts) :])
 

@@ -272,3 +272,16 @@ def test_beam_search_through_an_adapter(make_llm, tmp_path):
         eos_token_id=None, pad_token_id=0, min_new_tokens=6,
     )  # fmt: skip
     assert best.sequences[0].token_ids == expected[0, len(PROMPTS[1]) :].tolist()
+
+
+def test_scores_through_an_adapter(make_llm, tmp_path):
+    llm = make_llm(enable_lora=True)
+    make_adapter(llm.hf_model, tmp_path / "a")
+    lora = request(tmp_path / "a")
+    texts = ["hello there", "hello world", "zzz"]
+    scores = [o.outputs.score for o in llm.score(texts[0], texts[1:], lora_request=lora)]
+    vectors = [torch.tensor(o.outputs.embedding) for o in llm.embed(texts, lora_request=lora)]
+    expected = [float(torch.dot(vectors[0].double(), v.double())) for v in vectors[1:]]
+    assert scores == pytest.approx(expected, abs=1e-6)
+    base = [o.outputs.score for o in llm.score(texts[0], texts[1:])]
+    assert scores != pytest.approx(base, abs=1e-6)
