@@ -87,12 +87,18 @@ struct StackLayer {
   torch::Tensor input_norm, post_norm;  // RMSNorm weights
   StackLinear qkv, o, gate_up, down;
   torch::Tensor k_cache, v_cache;  // [blocks, block_size, kv_heads, head_dim]
+  OptionalTensor q_norm, k_norm;  // Qwen3's per-head query and key RMSNorm weights [head_dim]
 
   StackLayer(torch::Tensor input_norm, torch::Tensor post_norm, StackLinear qkv, StackLinear o,
-             StackLinear gate_up, StackLinear down, torch::Tensor k_cache, torch::Tensor v_cache)
+             StackLinear gate_up, StackLinear down, torch::Tensor k_cache, torch::Tensor v_cache,
+             OptionalTensor q_norm, OptionalTensor k_norm)
       : input_norm(std::move(input_norm)), post_norm(std::move(post_norm)), qkv(std::move(qkv)),
         o(std::move(o)), gate_up(std::move(gate_up)), down(std::move(down)),
-        k_cache(std::move(k_cache)), v_cache(std::move(v_cache)) {}
+        k_cache(std::move(k_cache)), v_cache(std::move(v_cache)), q_norm(std::move(q_norm)),
+        k_norm(std::move(k_norm)) {
+    TORCH_CHECK(this->q_norm.has_value() == this->k_norm.has_value(),
+                "give both query and key norms, or neither");
+  }
 };
 
 class DecoderStack {
@@ -145,6 +151,7 @@ class DecoderStack {
       }
       torch::Tensor qkv = l.qkv(h);
       deltas(qkv, h, i, &AdapterLayer::qkv);
+      if (l.q_norm.has_value()) norm_heads(qkv, n, *l.q_norm, *l.k_norm);
       rope_(qkv, cos, sin, heads_ + kv_heads_, head_dim_);
       const auto parts =
           qkv.view({n, -1, head_dim_}).split_with_sizes({heads_, kv_heads_, kv_heads_}, 1);
@@ -169,6 +176,17 @@ class DecoderStack {
   }
 
  private:
+  // Qwen3's query and key norms in place, as Attention._norm_heads: every head's head_dim
+  // values of each row RMS-normed (gathered, normed, written back).
+  void norm_heads(torch::Tensor& qkv, int64_t n, const torch::Tensor& q_norm,
+                  const torch::Tensor& k_norm) const {
+    const int64_t q_end = heads_ * head_dim_, k_end = q_end + kv_heads_ * head_dim_;
+    const torch::Tensor q = qkv.slice(1, 0, q_end).reshape({n * heads_, head_dim_});
+    const torch::Tensor k = qkv.slice(1, q_end, k_end).reshape({n * kv_heads_, head_dim_});
+    qkv.slice(1, 0, q_end).copy_(::rms_norm(q, q_norm, eps_).view({n, q_end}));
+    qkv.slice(1, q_end, k_end).copy_(::rms_norm(k, k_norm, eps_).view({n, k_end - q_end}));
+  }
+
   std::vector<StackLayer> layers_;
   torch::Tensor final_norm_;
   int64_t heads_, kv_heads_, head_dim_;
@@ -189,7 +207,7 @@ void register_decoder_stack(pybind11::module& m) {
                     std::optional<StackDelta>, std::optional<StackDelta>>());
   py::class_<StackLayer>(m, "StackLayer")
       .def(py::init<torch::Tensor, torch::Tensor, StackLinear, StackLinear, StackLinear,
-                    StackLinear, torch::Tensor, torch::Tensor>());
+                    StackLinear, torch::Tensor, torch::Tensor, OptionalTensor, OptionalTensor>());
   py::class_<DecoderStack>(m, "DecoderStack")
       .def(py::init<std::vector<StackLayer>, torch::Tensor, int64_t, int64_t, int64_t, double,
                     double, Adapters>())

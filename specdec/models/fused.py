@@ -59,8 +59,6 @@ class FusedStack:
         kernels = cpu_ops.extension()
         if kernels is None or model.embed_tokens.weight.device.type != "cpu":
             return None
-        if model.config.qk_norm:  # the C++ layers have no per-head norms (Qwen3's)
-            return None
         linears = []
         layers: list[Any] = list(model.layers)
         for layer in layers:
@@ -139,6 +137,7 @@ class FusedStack:
                     *linears,
                     layer.self_attn.k_cache,
                     layer.self_attn.v_cache,
+                    *_head_norm_weights(layer.self_attn),
                 )
                 for layer, linears in zip(decoder_layers, self.linears)
             ]
@@ -164,3 +163,8 @@ def _stack_linear(kernels: Any, module: Any, dtype: torch.dtype) -> Any:
             kind, module.packed, None, None, module.bias, 0, module.out_features, False
         )
     return None
+
+
+def _head_norm_weights(attention: Any) -> list[torch.Tensor | None]:  # noqa: ANN401
+    """The weights of an attention layer's per-head query and key norms (Qwen3's), or None."""
+    return [None if n is None else n.weight for n in (attention.q_norm, attention.k_norm)]

@@ -22,6 +22,8 @@ CONFIGS = {  # (arch, dtype, quantization): every kind of linear the stack takes
     "int4": ("llama", torch.float32, "int4"),
     "w4a8-bf16": ("qwen2", torch.bfloat16, "w4a8"),
     "w8a8": ("mistral", torch.float32, "w8a8"),
+    "qwen3": ("qwen3", torch.float32, None),  # per-head query and key norms
+    "qwen3-bf16": ("qwen3", torch.bfloat16, None),
 }
 
 
