@@ -89,6 +89,9 @@ class DrafterBase:
     max_drafts: int | None = None
     drafts_in_one_pass: bool = False
     draft_forward: Callable[[int], object] | None = None
+    # a model of the target's shapes that drafts through each request's LoRA adapter too (the
+    # engine installs every adapter in it: quantized_self); None: drafts from the base model
+    adapter_model: Any = None
 
     Options: ClassVar[type[Any]] = NoOptions
 

@@ -73,6 +73,9 @@ class DraftModelOptions:
 @dataclass(slots=True)
 class QuantizedSelfOptions:
     draft_quantization: str | None = None  # one of models/quant.py's; None: the fastest here
+    # the draft runs each request's LoRA adapter too: more drafts accepted through an adapter
+    # that changes the output much, at the price of the deltas in every draft step
+    draft_lora: bool = False
 
     def __post_init__(self) -> None:
         if self.draft_quantization is not None and self.draft_quantization not in QUANTIZATIONS:
@@ -172,17 +175,18 @@ class DraftModelDrafter(DrafterBase):
                     position = seq.num_tokens + j
                     if not self.shares_target_kv:
                         self.fed[seq.seq_id].append(token)
-                    chunks[i] = QueryChunk([token], position, seq.block_table, 1)
+                    chunks[i] = QueryChunk([token], position, seq.block_table, 1, seq.lora_key)
                     next_live.append(i)
             live = next_live
 
     def _catch_up(self, seq: Sequence) -> QueryChunk:
         """The tokens the draft cache lacks: from the first stale position to the last token."""
         if self.shares_target_kv:  # only the last token: the target's cache holds the rest
-            return QueryChunk(seq.token_ids[-1:], seq.num_tokens - 1, seq.block_table, 1)
+            last = seq.num_tokens - 1
+            return QueryChunk(seq.token_ids[-1:], last, seq.block_table, 1, seq.lora_key)
         valid = self._valid_prefix(seq)
         self.fed[seq.seq_id] = seq.token_ids[:]
-        return QueryChunk(seq.token_ids[valid:], valid, seq.block_table, 1)
+        return QueryChunk(seq.token_ids[valid:], valid, seq.block_table, 1, seq.lora_key)
 
     def _valid_prefix(self, seq: Sequence) -> int:
         """How many leading tokens of ``seq`` the draft cache holds right (a rejected draft it
@@ -223,7 +227,10 @@ class QuantizedSelfDrafter(DraftModelDrafter):
         target_caches = (engine.runner.k_caches, engine.runner.v_caches)
         dtype, blocks = engine.runner.k_caches[0].dtype, engine.scheduler.block_manager
         runner = ModelRunner(model, blocks.num_blocks, blocks.block_size, dtype, target_caches)
-        return cls(runner, engine.scheduler, shares_target_kv=True)
+        drafter = cls(runner, engine.scheduler, shares_target_kv=True)
+        if options.draft_lora:  # the target's shapes: it can run each request's LoRA adapter
+            drafter.adapter_model = model
+        return drafter
 
 
 def _check_vocabulary(

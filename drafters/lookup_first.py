@@ -61,6 +61,7 @@ class LookupFirst:
         self.name = f"{inner.name}+lookup"
         self.prior_acceptance = inner.prior_acceptance
         self.needs_token_hidden_states = inner.needs_token_hidden_states
+        self.adapter_model = getattr(inner, "adapter_model", None)  # its model runs the adapters
         self.max_drafts = inner.max_drafts
         self.drafts_in_one_pass = inner.drafts_in_one_pass
         self.draft_forward: Callable[[int], object] | None = inner.draft_forward

@@ -88,6 +88,8 @@ class Engine:
         self.policy: AdaptivePolicy | None = None
         if speculative is not None:
             self.drafter, self.policy = build_speculation(speculative, self, target)
+        if self.loras is not None:  # a quantized_self draft runs each request's adapter too
+            self.loras.follow(getattr(self.drafter, "adapter_model", None))
 
     def add_request(
         self,
@@ -181,10 +183,9 @@ class Engine:
         return set() if self.loras is None else set(self.loras.loaded)
 
     def prompt_limit(self, truncate_prompt_tokens: int) -> int:
-        """How many of a prompt's last tokens ``truncate_prompt_tokens`` keeps (see
-        :class:`~specdec.config.SamplingParams`; -1 leaves room for one new token)."""
-        k = truncate_prompt_tokens
-        return self.max_model_len - 1 if k == -1 else k
+        """How many of a prompt's last tokens ``truncate_prompt_tokens`` keeps (-1: room for
+        one new token; see :class:`~specdec.config.SamplingParams`)."""
+        return self.max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
 
     def abort(self, request_id: int) -> None:
         """Stop a request now and free its KV blocks (unknown or finished ids are ignored)."""

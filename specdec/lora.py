@@ -198,6 +198,7 @@ class LoRAManager:
 
     def __init__(self, model: LlamaForCausalLM, max_rank: int, capacity: int):
         self.model, self.max_rank, self.capacity = model, max_rank, capacity
+        self.models = [model]  # the target, then models that follow its adapters (drafts)
         self.loaded: OrderedDict[int, LoadedAdapter] = OrderedDict()
         self._next_key = 1
 
@@ -223,7 +224,8 @@ class LoRAManager:
                 )
             self.remove(idle[0], in_use)
         key, self._next_key = self._next_key, self._next_key + 1
-        install_deltas(self.model, key, weights)
+        for model in self.models:
+            install_deltas(model, key, weights)
         rank = max((a.shape[0] for a, _ in weights.values()), default=0)
         self.loaded[request.adapter_id] = LoadedAdapter(request, key, rank)
         return key
@@ -237,8 +239,16 @@ class LoRAManager:
         if adapter.key in in_use:
             raise ValueError(f"LoRA adapter {lora_int_id} is in use by unfinished requests")
         del self.loaded[lora_int_id]
-        remove_deltas(self.model, adapter.key)
+        for model in self.models:
+            remove_deltas(model, adapter.key)
         return True
+
+    def follow(self, model: LlamaForCausalLM | None) -> None:
+        """Install every adapter in ``model`` too (a draft of the target's shapes), from now on;
+        ``None``: nothing to follow."""
+        if model is not None:
+            attach_lora(model)
+            self.models.append(model)
 
 
 def lora_manager(model: LlamaForCausalLM, config: EngineConfig) -> LoRAManager | None:

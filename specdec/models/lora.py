@@ -125,16 +125,16 @@ def install_deltas(
     """Give the model's LoRA linears adapter ``key``'s deltas: module name -> (``A`` [r, in],
     ``B`` [out, r] with the scale folded in), in the model's dtype, on the model's kernels."""
     rows = attach_lora(model)
-    invariant = bool(model.batch_invariant)
+    invariant, dtype = bool(model.batch_invariant), model.embed_tokens.weight.dtype
     installed: dict[str, tuple[nn.Module, nn.Module]] = {}
     for name, (a, b) in weights.items():
         down = nn.Linear(a.shape[1], a.shape[0], bias=False, device="meta")
         up = nn.Linear(b.shape[1], b.shape[0], bias=False, device="meta")
-        down.weight = nn.Parameter(a.contiguous(), requires_grad=False)
-        up.weight = nn.Parameter(b.contiguous(), requires_grad=False)
+        down.weight = nn.Parameter(a.to(dtype).contiguous(), requires_grad=False)
+        up.weight = nn.Parameter(b.to(dtype).contiguous(), requires_grad=False)
         pair = nn.ModuleList([down, up])
-        use_row_kernels(pair, invariant=invariant)
-        prepack_linears(pair, invariant=invariant)
+        use_row_kernels(pair, invariant=True)  # row kernels wherever built: fast at rank r
+        prepack_linears(pair, invariant=invariant)  # else oneDNN (bf16), in invariant tiles
         rows.linears[name].deltas[key] = installed[name] = (pair[0], pair[1])
     if model.fused is not None:  # the C++ stack runs the adapter's decode steps too
         names = [[f"layers.{i}.{path}" for path in ADAPTED] for i in range(len(model.layers))]

@@ -120,7 +120,7 @@ def lora_steps(runner: ModelRunner, keys: list[int]) -> list[tuple[torch.Tensor,
     return out
 
 
-@pytest.mark.parametrize("name", ["float32", "bf16-invariant", "int4"])
+@pytest.mark.parametrize("name", ["float32", "bf16-invariant", "int4", "w4a8-bf16", "qwen3"])
 @pytest.mark.parametrize("keys", [[1, 0, 2], [1, 1, 1]])
 def test_stack_runs_lora_deltas_with_the_python_layers_bits(
     name: str, keys: list[int], monkeypatch: pytest.MonkeyPatch
