@@ -84,6 +84,12 @@ class ServerMetrics:
         )
         self.kv_blocks_used = Gauge("specdec_kv_blocks_used", "KV blocks in use", registry=r)
         self.kv_blocks_total = Gauge("specdec_kv_blocks_total", "KV blocks in the pool", registry=r)
+        self.lora_info = Gauge(  # vLLM's lora_requests_info: one series, its labels the news
+            "specdec_lora_requests_info",
+            "LoRA adapters of the running and waiting sequences (value: when observed)",
+            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            registry=r,
+        )
         r.register(SpeculationCollector(spec_stats))
 
     def observe_engine(self, engine: Engine) -> None:
@@ -92,6 +98,14 @@ class ServerMetrics:
         self.waiting.set(len(engine.scheduler.waiting))
         self.kv_blocks_used.set(engine.num_blocks - engine.num_free_blocks)
         self.kv_blocks_total.set(engine.num_blocks)
+        if engine.loras is not None:
+            names = {a.key: a.request.name for a in engine.loras.loaded.values()}
+            running, waiting = (
+                ",".join(sorted({names.get(s.lora_key, "") for s in seqs if s.lora_key}))
+                for seqs in (engine.scheduler.running, engine.scheduler.waiting)
+            )
+            self.lora_info.clear()
+            self.lora_info.labels(str(engine.config.max_loras), running, waiting).set(time.time())
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

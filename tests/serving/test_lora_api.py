@@ -4,6 +4,7 @@ adapters are loaded and unloaded at run time where allowed; bad adapters and nam
 
 from __future__ import annotations
 
+import httpx
 import pytest
 import torch
 from click.testing import CliRunner
@@ -189,3 +190,18 @@ def test_serve_takes_lora_modules_in_both_of_vllms_forms(monkeypatch, adapters):
         assert refused.exit_code == 2 and message in refused.output, refused.output
     missing = CliRunner().invoke(cli.serve, ["--lora-modules", "a=/nowhere"])
     assert missing.exit_code == 1 and "adapter_config.json not found" in missing.output
+
+
+def test_metrics_name_the_adapters_running(served):
+    body = {"model": "poem", "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True}
+    body["stream"] = True
+    with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=30) as stream:
+        lines = stream.iter_lines()
+        next(line for line in lines if line.startswith("data:"))  # it is running now
+        scraped = httpx.get(served.url + "/metrics").text
+        for _ in lines:
+            pass
+    assert 'max_lora="2",running_lora_adapters="poem",waiting_lora_adapters=""' in scraped
+    served.wait_until_idle()
+    idle = httpx.get(served.url + "/metrics").text
+    assert 'running_lora_adapters="",waiting_lora_adapters=""' in idle
