@@ -303,3 +303,26 @@ def test_quantized_self_drafts_through_the_requests_adapter(make_llm, tmp_path):
     assert through > 0.5 * base > 0.1
     expected = plain.generate(PROMPTS, GREEDY, lora_request=request(tmp_path / "a"))
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+
+
+def test_adapters_under_chunking_preemption_and_speculation(make_llm, tmp_path):
+    """Long and short prompts through two adapters and the base model, chunked prefill beside
+    decodes and verifications, KV so short that sequences are preempted: every output equals its
+    request run alone on a roomy engine without speculation."""
+    roomy = make_llm(enable_lora=True, max_loras=2)
+    for name, seed in (("a", 1), ("b", 2)):
+        make_adapter(roomy.hf_model, tmp_path / name, seed=seed)
+    tight = make_llm(
+        enable_lora=True, max_loras=2, block_size=4, num_kv_blocks=48,
+        max_num_batched_tokens=24, speculative=FIXED_K,
+    )  # fmt: skip
+    torch.manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (20, 90, 7, 140)] + PROMPTS
+    loras = [None, request(tmp_path / "a", 1), request(tmp_path / "b", 2)]
+    per_prompt = [loras[i % 3] for i in range(len(prompts))]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outputs = tight.generate(prompts, params, lora_request=per_prompt)
+    for prompt, lora, out in zip(prompts, per_prompt, outputs):
+        assert out.token_ids == roomy.generate([prompt], params, lora_request=lora)[0].token_ids
+    assert sum(o.metrics.num_preemptions for o in outputs) > 0
+    assert tight.engine.verifier.stats.num_accepted_tokens > 0
