@@ -204,6 +204,11 @@ def _is_loopback(host: str) -> bool:
     "--max-cpu-loras", default=None, type=int, help="Adapters kept loaded [default: max-loras]."
 )
 @click.option(
+    "--draft-lora",
+    is_flag=True,
+    help="quantized_self drafts through each request's LoRA adapter too (see the README).",
+)
+@click.option(
     "--allow-runtime-lora-updating",
     is_flag=True,
     envvar="VLLM_ALLOW_RUNTIME_LORA_UPDATING",
@@ -259,6 +264,7 @@ def serve(
     max_loras: int,
     max_lora_rank: int,
     max_cpu_loras: int | None,
+    draft_lora: bool,
     allow_runtime_lora_updating: bool,
     log_level: str,
 ) -> None:
@@ -316,6 +322,7 @@ def serve(
                 num_speculative_tokens,
                 draft_model=draft_model,
                 draft_quantization=draft_quantization,
+                draft_lora=draft_lora or None,  # an option of quantized_self's only
                 heads=heads,
                 lookup_first=lookup_first,
             ),

@@ -205,3 +205,17 @@ def test_metrics_name_the_adapters_running(served):
     served.wait_until_idle()
     idle = httpx.get(served.url + "/metrics").text
     assert 'running_lora_adapters="",waiting_lora_adapters=""' in idle
+
+
+def test_serve_passes_draft_lora_to_quantized_self(monkeypatch):
+    calls: dict = {}
+    real = specdec.llm.LLM
+    monkeypatch.setattr(specdec.llm, "LLM", lambda model, **options: calls.update(options) or real(
+        tiny_model(), tokenizer=byte_tokenizer(), num_kv_blocks=64
+    ))  # fmt: skip
+    monkeypatch.setattr(cli.uvicorn, "run", lambda app, **kwargs: None)
+    args = ["--enable-lora", "--drafter", "quantized_self", "--draft-lora"]
+    assert CliRunner().invoke(cli.serve, args).exit_code == 0
+    assert calls["speculative"].options.draft_lora is True
+    refused = CliRunner().invoke(cli.serve, ["--drafter", "prompt_lookup", "--draft-lora"])
+    assert refused.exit_code == 2 and "has no option 'draft_lora'" in refused.output
