@@ -85,7 +85,6 @@ class LoRARequest:
 class LoadedAdapter:
     request: LoRARequest
     key: int  # the model's key for its deltas, new at every load (prefix-cache hashes use it)
-    rank: int  # the largest rank of its modules
 
 
 def read_adapter(
@@ -226,8 +225,7 @@ class LoRAManager:
         key, self._next_key = self._next_key, self._next_key + 1
         for model in self.models:
             install_deltas(model, key, weights)
-        rank = max((a.shape[0] for a, _ in weights.values()), default=0)
-        self.loaded[request.adapter_id] = LoadedAdapter(request, key, rank)
+        self.loaded[request.adapter_id] = LoadedAdapter(request, key)
         return key
 
     def remove(self, lora_int_id: int, in_use: set[int]) -> bool:
