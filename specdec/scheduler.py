@@ -86,7 +86,7 @@ class Scheduler:
                 out.seqs.append(seq)
                 out.num_scheduled_tokens.append(num_tokens)
                 budget -= num_tokens
-        deferred: list[Sequence] = []  # waiting for a running sequence to prefill their prefix
+        deferred: list[Sequence] = []  # waiting for a shared prefix's prefill, or a LoRA slot
         while self.waiting and budget and len(self.running) < self.config.max_num_seqs:
             if self._shares_a_prefill(self.waiting[0]) or self._lora_slots_full(self.waiting[0]):
                 deferred.append(self.waiting.popleft())
