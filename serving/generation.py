@@ -96,7 +96,7 @@ class Generation:
             field = str(e).split(" ")[0]
             ids_fields = ("stop_token_ids", "logit_bias", "allowed_token_ids")
             param = field if field in ids_fields else self.prompt_param
-            param = self.guide_param if field == "regex" else param
+            param = self.guide_param if field in ("regex", "grammar:") else param
             raise APIError(400, str(e), param=param) from e
         except EngineDeadError as e:
             self.close()
@@ -161,9 +161,11 @@ class Generation:
             params = request.params
             if not isinstance(params, SamplingParams):  # an embedding: nothing to compile
                 continue
-            key = (params.regex, str(params.json_schema), str(params.choice), params.guide_after,
-                   params.guide_after_opening)  # fmt: skip
-            compiled = params.regex is not None or params.json_schema is not None
+            key = (params.regex, str(params.json_schema), str(params.choice), params.grammar,
+                   params.guide_after, params.guide_after_opening)  # fmt: skip
+            compiled = any(
+                p is not None for p in (params.regex, params.json_schema, params.grammar)
+            )
             if (compiled or params.guide_after is not None) and key not in seen:
                 seen.add(key)
                 await asyncio.to_thread(guides.for_params, params)

@@ -1,6 +1,7 @@
 """The request fields that give a guided request its guide (vLLM's ``guided_*`` and
 ``structured_outputs``, OpenAI's ``response_format``), checked one per request and turned into
-the ``choice``, ``regex`` or ``json_schema`` of :class:`~specdec.config.SamplingParams`."""
+the ``choice``, ``regex``, ``json_schema`` or ``grammar`` of
+:class:`~specdec.config.SamplingParams`."""
 
 from __future__ import annotations
 
@@ -9,26 +10,31 @@ from typing import Any, ClassVar
 from pydantic import ValidationInfo, field_validator
 
 from specdec.serving.strict import StrictModel
+from specdec.structured.params import GUIDES
 
-STRUCTURED_KINDS = ("choice", "regex", "json", "json_object")  # of structured_outputs
+STRUCTURED_KINDS = ("choice", "regex", "json", "grammar", "json_object")  # structured_outputs
 
 
 class GuidedFields(StrictModel):
     """The guide fields of completions and chat completions (at most one given)."""
 
     # extra (vLLM's): the output is one of these strings (guided_choice), matches a regular
-    # expression (guided_regex) or is JSON a schema accepts (guided_json); or vLLM's newer
-    # structured_outputs: {"choice": [...]}, {"regex": ...}, {"json": ...}, {"json_object": true}
+    # expression (guided_regex), is JSON a schema accepts (guided_json) or a string a grammar
+    # derives (guided_grammar: EBNF or Lark); or vLLM's newer structured_outputs: {"choice":
+    # [...]}, {"regex": ...}, {"json": ...}, {"grammar": ...}, {"json_object": true}
     guided_choice: list[str] | None = None
     guided_regex: str | None = None
     guided_json: Any = None  # a JSON Schema: an object, or its text
+    guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
     # OpenAI's (chat; vLLM's completions too): {"type": "text"} (the default), {"type":
     # "json_object"} (any JSON object), or {"type": "json_schema", "json_schema": {"name": ...,
     # "schema": {...}}}
     response_format: dict[str, Any] | None = None
 
-    GUIDED: ClassVar[tuple[str, ...]] = ("guided_choice", "guided_regex", "guided_json")
+    GUIDED: ClassVar[tuple[str, ...]] = (
+        "guided_choice", "guided_regex", "guided_json", "guided_grammar"
+    )  # fmt: skip
 
     @field_validator("structured_outputs")
     @classmethod
@@ -43,8 +49,9 @@ class GuidedFields(StrictModel):
         if len(kinds) > 1:
             raise ValueError(f"give one kind, not {', '.join(kinds)}")
         _check_choice(kinds.get("choice"), "choice ")
-        if "regex" in kinds and not isinstance(kinds["regex"], str):
-            raise ValueError("regex must be a string")
+        for kind in ("regex", "grammar"):
+            if kind in kinds and not isinstance(kinds[kind], str):
+                raise ValueError(f"{kind} must be a string")
         if "json" in kinds and not isinstance(kinds["json"], (dict, str)):
             raise ValueError("json must be a JSON Schema (an object, or its text)")
         if "json_object" in kinds and kinds["json_object"] is not True:
@@ -64,7 +71,7 @@ class GuidedFields(StrictModel):
         _check_choice(value, "")
         return value
 
-    @field_validator("guided_regex", "guided_json", "structured_outputs")
+    @field_validator("guided_regex", "guided_json", "guided_grammar", "structured_outputs")
     @classmethod
     def _one_guide(cls, value: Any, info: ValidationInfo) -> Any:
         given = guides_given(info)  # the fields before this one
@@ -90,7 +97,8 @@ class GuidedFields(StrictModel):
         return value
 
     def guide(self) -> dict[str, Any]:
-        """The guide as SamplingParams takes it: ``{"choice" | "regex" | "json_schema": ...}``
+        """The guide as SamplingParams takes it: ``{"choice" | "regex" | "json_schema" |
+        "grammar": ...}``
         or nothing, from whichever field gave it (validated: one at most)."""
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
@@ -101,6 +109,7 @@ class GuidedFields(StrictModel):
             ("guided_choice", "choice", "choice"),
             ("guided_regex", "regex", "regex"),
             ("guided_json", "json", "json_schema"),
+            ("guided_grammar", "grammar", "grammar"),
         ):
             if getattr(self, field) is not None:
                 return {key: getattr(self, field)}
@@ -112,8 +121,8 @@ class GuidedFields(StrictModel):
 
     def param_of(self, name: str) -> str:
         """The request field to name in an error about SamplingParams' field ``name``: the
-        field that gave the guide for ``choice``, ``regex`` and ``json_schema``."""
-        return self.guide_field() if name in ("choice", "regex", "json_schema") else name
+        field that gave the guide for the guide fields (:data:`GUIDES`)."""
+        return self.guide_field() if name.rstrip(":") in GUIDES else name
 
     def guide_field(self) -> str:
         if (self.response_format or {}).get("type", "text") != "text":

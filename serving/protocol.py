@@ -85,7 +85,6 @@ class GenerationFields(GuidedFields):
     truncate_prompt_tokens: TruncatePromptTokens = None
     # extra (vLLM's); under --scheduling-policy priority, lower values are served first
     priority: int = Field(0, ge=-(2**31), lt=2**31)
-    guided_grammar: Any = None
     # extra (vLLM's): n beams searched, the n best returned (specdec/serving/beams.py), ranked
     # by logprob sum / length ** length_penalty; early_stopping: transformers' (False, True,
     # "never")
@@ -94,9 +93,7 @@ class GenerationFields(GuidedFields):
     early_stopping: bool | str | None = None
 
     # Known but not implemented: accepted only at their neutral values (see the module docstring).
-    NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "guided_grammar": (None,),
-    }
+    NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -9,10 +9,17 @@ from typing import Any
 import click
 
 from specdec.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
-from specdec.cli_options import model_options, spec_config, speculation_options
+from specdec.cli_options import (
+    guide_options,
+    model_options,
+    read_guides,
+    spec_config,
+    speculation_options,
+)
 from specdec.config import SamplingParams
 from specdec.outputs import TokenLogprobs
 from specdec.serving.cli import serve
+from specdec.structured.params import GUIDES
 
 
 @click.group()
@@ -46,17 +53,7 @@ def main() -> None:
     type=int,
     help="Print each prompt token's logprob and this many alternatives (0-20), and their sum.",
 )
-@click.option(
-    "--choice",
-    multiple=True,
-    help="Make the output one of these strings (repeat the option for each choice).",
-)
-@click.option("--regex", default=None, help="Make the output match this regular expression.")
-@click.option(
-    "--json-schema",
-    default=None,
-    help="Make the output JSON that this JSON Schema accepts (its text, or @FILE).",
-)
+@guide_options
 @click.option("--raw", is_flag=True, help="Use prompts as raw text (skip the chat template).")
 @click.option(
     "--beam-width",
@@ -97,12 +94,8 @@ def generate(
     search each one's best continuations)."""
     from specdec.llm import LLM
 
-    sampling["choice"] = list(sampling["choice"]) or None
     try:
-        schema = sampling["json_schema"]
-        if schema is not None and schema.startswith("@"):
-            with open(schema[1:], encoding="utf-8") as f:
-                sampling["json_schema"] = f.read()
+        read_guides(sampling)
         params = SamplingParams(**sampling)
         speculative = spec_config(
             drafter,
@@ -164,10 +157,11 @@ def beam_search(
     """``generate --beam-width``: each prompt's ``width`` best beams, best first, with their
     summed logprobs (only ``--max-tokens`` and the prompt shape them)."""
     sampled = params.temperature > 0 or params.logprobs is not None or params.has_penalties
-    if sampled or params.choice or params.regex or params.json_schema:
+    if sampled or any(getattr(params, name) for name in GUIDES):
         raise click.ClickException(
             "--beam-width ranks beams by the model's own logprobs: leave --temperature, the "
-            "penalties, --logprobs and the guides (--choice, --regex, --json-schema) unset"
+            "penalties, --logprobs and the guides (--choice, --regex, --json-schema, --grammar) "
+            "unset"
         )
     texts = [p if raw else llm.render_chat([{"role": "user", "content": p}]) for p in prompts]
     start = time.perf_counter()

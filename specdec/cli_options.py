@@ -1,4 +1,4 @@
-"""Command-line options shared by ``specdec generate`` and ``specdec serve``."""
+"""Command-line options of ``specdec generate`` and ``specdec serve``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,28 @@ import click
 
 from specdec.drafters.registry import DRAFTERS, SpecConfig
 from specdec.models.quant import QUANTIZATIONS
+
+
+def guide_options(fn: Any) -> Any:
+    """``--choice``, ``--regex``, ``--json-schema`` and ``--grammar`` (of ``generate``)."""
+    for name, help in (
+        ("--grammar", "a string this EBNF or Lark grammar derives (its text, or @FILE)."),
+        ("--json-schema", "JSON that this JSON Schema accepts (its text, or @FILE)."),
+        ("--regex", "match this regular expression."),
+    ):
+        fn = click.option(name, default=None, help=f"Make the output {help}")(fn)
+    help = "Make the output one of these strings (repeat the option for each choice)."
+    return click.option("--choice", multiple=True, help=help)(fn)
+
+
+def read_guides(sampling: dict[str, Any]) -> None:
+    """The guide options as SamplingParams takes them: choices as a list (None if none), a
+    schema or grammar given as @FILE read from the file."""
+    sampling["choice"] = list(sampling["choice"]) or None
+    for key in ("json_schema", "grammar"):
+        if (sampling[key] or "").startswith("@"):
+            with open(sampling[key][1:], encoding="utf-8") as f:
+                sampling[key] = f.read()
 
 
 def model_options(fn: Any) -> Any:

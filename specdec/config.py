@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
-from specdec.structured.params import StructuredOutputsParams, check_guides
+from specdec.structured.params import GUIDES, StructuredOutputsParams, check_guides
 
 # Temperatures below this decode greedily, as in vLLM: at 1e-38 and below, logits / temperature
 # overflows float32 and the distribution becomes NaN, and long before that it is one-hot anyway.
@@ -79,7 +79,10 @@ class SamplingParams:
     # the output must be a JSON document this JSON Schema accepts (a dict or its JSON text),
     # then end (vLLM's guided json; the keywords: specdec/structured/json_schema.py)
     json_schema: dict[str, Any] | str | None = None
-    # vLLM's form of the three above (see StructuredOutputsParams)
+    # the output must be a string this grammar derives, then end (vLLM's guided grammar: EBNF
+    # "root ::= ..." or Lark "start: ..."; recursion bounded: specdec/structured/grammar.py)
+    grammar: str | None = None
+    # vLLM's form of the four above (see StructuredOutputsParams)
     structured_outputs: StructuredOutputsParams | None = None
     # the guide above applies after this text first ends the output (a reasoning model's
     # "</think>": vLLM's reasoning-aware structured outputs); before it the output is free
@@ -139,7 +142,7 @@ class SamplingParams:
         )
         self.stop, self.stop_token_ids = list(self.stop), list(self.stop_token_ids)
         if self.structured_outputs is not None:
-            flat = [n for n in ("choice", "regex", "json_schema") if getattr(self, n) is not None]
+            flat = [n for n in GUIDES if getattr(self, n) is not None]
             _check(not flat, f"give structured_outputs or {flat[0] if flat else ''}, not both")
             for name, value in self.structured_outputs.guide().items():
                 setattr(self, name, value)
@@ -241,7 +244,7 @@ class SamplingParams:
             f"num_speculative_tokens must be a non-negative integer, got "
             f"{self.num_speculative_tokens!r}",
         )
-        check_guides(self)  # choice, regex, json_schema and guide_after
+        check_guides(self)  # choice, regex, json_schema, grammar and guide_after
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(

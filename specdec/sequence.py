@@ -91,7 +91,7 @@ class Sequence:
     hidden_states: list[torch.Tensor] = field(default_factory=list)
     attentions: list[torch.Tensor] = field(default_factory=list)
     num_kept_positions: int = 0
-    # with SamplingParams.choice, regex or json_schema: which tokens may come next (see
+    # with SamplingParams.choice, regex, json_schema or grammar: which tokens may come next (see
     # specdec/structured/guide.py), and its state after each output token walked so far
     guide: Guide | None = None
     guide_states: list[Any] = field(default_factory=list)

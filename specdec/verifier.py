@@ -336,8 +336,9 @@ def constrain_rows(
     (:func:`specdec.token_rules.apply_penalties`), then transformers' forcing rules and length
     decay (:func:`specdec.token_rules.apply_position_rules`: a forced token is allowed whatever
     came before), then the request's own ``logits_processors``
-    (:func:`specdec.token_rules.apply_logits_processors`), then a guide's (``choice``, ``regex``, ``json_schema``): every token it does
-    not allow there gets ``-inf``."""
+    (:func:`specdec.token_rules.apply_logits_processors`), then a guide's (``choice``,
+    ``regex``, ``json_schema``, ``grammar``): every token it does not allow there gets
+    ``-inf``."""
     for row, (seq, j) in enumerate(zip(seqs, positions)):
         params = seq.params
         if params.logit_bias:

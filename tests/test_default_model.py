@@ -204,6 +204,18 @@ def test_cli_generate_follows_a_json_schema_from_a_file(tmp_path):
     assert result.exit_code != 0 and "keyword 'minimum' is not supported" in result.output
 
 
+def test_cli_generate_follows_a_grammar_from_a_file(tmp_path):
+    (tmp_path / "answer.gbnf").write_text(
+        'root ::= answer "."  # one word\nanswer ::= "Yes" | "No"'
+    )
+    args = ["generate", "--grammar", f"@{tmp_path / 'answer.gbnf'}", "--max-tokens", "8"]
+    result = CliRunner().invoke(main, [*args, "Is Paris in France? Answer yes or no."])
+    assert result.exit_code == 0, result.output
+    assert result.output.split("\n")[1] in ("Yes.", "No."), result.output
+    result = CliRunner().invoke(main, ["generate", "--grammar", "root ::= nothing", "hi"])
+    assert result.exit_code != 0 and "rule 'nothing' is used but not defined" in result.output
+
+
 def test_cli_reports_bad_input_cleanly(tmp_path):
     result = CliRunner().invoke(main, ["generate", "--model", str(tmp_path / "nope"), "hi"])
     assert result.exit_code != 0 and "Error:" in result.output and "nope" in result.output

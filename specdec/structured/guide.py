@@ -1,5 +1,5 @@
 """Guides: which tokens may come next in a guided request (``SamplingParams.choice``, ``regex``,
-``json_schema``).
+``json_schema``, ``grammar``).
 
 A guide walks the output token by token from its :meth:`start` state; :meth:`allowed` gives the
 tokens that keep the output on a path to a whole match, end-of-sequence ids included where the
@@ -24,7 +24,9 @@ import numpy as np
 import torch
 
 from specdec.structured.after import after_text
+from specdec.structured.grammar import grammar_regex
 from specdec.structured.json_schema import schema_regex
+from specdec.structured.params import GUIDES
 from specdec.structured.regex import DEAD, DFA, compile_regex
 
 END = -1  # a choice trie's key for "a whole choice ends here"
@@ -197,7 +199,7 @@ class GuideFactory:
     def for_params(self, params: Any) -> Guide | None:
         """The guide of a request's ``SamplingParams`` (None if unguided); ValueError for a
         pattern or schema this engine cannot follow."""
-        if params.choice is None and params.regex is None and params.json_schema is None:
+        if all(getattr(params, name) is None for name in GUIDES):
             return None
         if not self.eos_token_ids or self.tokenizer is None:
             raise ValueError(
@@ -210,6 +212,8 @@ class GuideFactory:
             return self._regex("|".join(re.escape(c) for c in params.choice), after)
         if params.regex is not None:
             return self._regex(params.regex, after)
+        if params.grammar is not None:
+            return self._regex(grammar_regex(params.grammar), after)
         return self._regex(schema_regex(params.json_schema), after)
 
     def _regex(self, pattern: str, after: tuple[str | None, str] = (None, "")) -> RegexGuide:

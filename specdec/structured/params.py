@@ -7,16 +7,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from specdec.structured.grammar import grammar_regex
 from specdec.structured.json_schema import schema_regex
 from specdec.structured.regex import check_regex
+
+GUIDES = ("choice", "regex", "json_schema", "grammar")  # SamplingParams' guide fields
 
 
 @dataclass(slots=True)
 class StructuredOutputsParams:
     """vLLM's ``StructuredOutputsParams``, for code written against it: one of ``json`` (a JSON
-    Schema), ``regex``, ``choice`` or ``json_object=True`` (any JSON object), which
-    ``SamplingParams(structured_outputs=...)`` takes as its ``json_schema``, ``regex`` or
-    ``choice``. ``grammar`` is refused."""
+    Schema), ``regex``, ``choice``, ``grammar`` or ``json_object=True`` (any JSON object), which
+    ``SamplingParams(structured_outputs=...)`` takes as its ``json_schema``, ``regex``,
+    ``choice`` or ``grammar``."""
 
     json: dict[str, Any] | str | None = None
     regex: str | None = None
@@ -26,22 +29,18 @@ class StructuredOutputsParams:
 
     def guide(self) -> dict[str, Any]:
         """The SamplingParams fields this sets (ValueError unless exactly one kind is given)."""
-        if self.grammar is not None:
-            raise ValueError(
-                "structured_outputs.grammar is not supported: give json, regex, choice or "
-                "json_object"
-            )
         given = {
             key: value
             for key, value in (
                 ("json_schema", self.json),
                 ("regex", self.regex),
                 ("choice", self.choice),
+                ("grammar", self.grammar),
                 ("json_schema", {"type": "object"} if self.json_object else None),
             )
             if value is not None
         }
-        kinds = [k for k in ("json", "regex", "choice") if getattr(self, k) is not None]
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
         kinds += ["json_object"] if self.json_object else []
         if len(kinds) != 1:
             raise ValueError(f"structured_outputs needs exactly one kind, got {kinds or 'none'}")
@@ -49,8 +48,8 @@ class StructuredOutputsParams:
 
 
 def check_guides(params: Any) -> None:  # noqa: ANN401 - a SamplingParams (which imports this)
-    """Validate a ``SamplingParams``' guide fields (``choice``, ``regex``, ``json_schema``,
-    ``guide_after``, ``guide_after_opening``); ValueError naming the field. A pattern's syntax is checked now, its DFA
+    """Validate a ``SamplingParams``' guide fields (:data:`GUIDES`, ``guide_after``,
+    ``guide_after_opening``); ValueError naming the field. A pattern's syntax is checked now, its DFA
     built when the request is added."""
     choice, regex, schema, after = (
         params.choice,
@@ -75,8 +74,14 @@ def check_guides(params: Any) -> None:  # noqa: ANN401 - a SamplingParams (which
         check_regex(regex)
     if schema is not None:
         check_regex(schema_regex(schema))
-    guides = [n for n in ("choice", "regex", "json_schema") if getattr(params, n) is not None]
-    _require(len(guides) <= 1, f"give one of choice, regex and json_schema, not {guides}")
+    if params.grammar is not None:
+        _require(
+            isinstance(params.grammar, str) and params.grammar.strip(),
+            f"grammar must be a non-empty string, got {params.grammar!r}",
+        )
+        check_regex(grammar_regex(params.grammar))
+    guides = [n for n in GUIDES if getattr(params, n) is not None]
+    _require(len(guides) <= 1, f"give one of {', '.join(GUIDES)}, not {guides}")
     _require(
         not guides or not (params.ignore_eos or params.min_tokens),
         f"{guides[0] if guides else ''} ends the output where it is complete: leave "
@@ -89,7 +94,7 @@ def check_guides(params: Any) -> None:  # noqa: ANN401 - a SamplingParams (which
     )
     _require(
         after is None or (isinstance(after, str) and after != "" and bool(guides)),
-        f"guide_after must be a non-empty string, with a choice, regex or json_schema to apply "
+        f"guide_after must be a non-empty string, with a guide ({', '.join(GUIDES)}) to apply "
         f"after it; got {after!r}" + ("" if guides else " and no guide"),
     )
 

@@ -353,7 +353,10 @@ def test_guided_choice_as_vllm_takes_it(served, offline):
     assert all(c.text.rstrip("#") in choices for c in sampled.choices)  # "#": an EOS id of tiny
 
 
-def test_guided_regex_and_json_as_vllm_and_openai_take_them(served, offline):
+GRAMMAR = 'root ::= [a-c]{2} ("-" digits)+\ndigits ::= [0-9] | [0-9] digits'
+
+
+def test_guided_regex_json_and_grammar_as_vllm_and_openai_take_them(served, offline):
     """Every field that names a guide gives the offline engine's output under that guide."""
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     cases = [
@@ -364,6 +367,8 @@ def test_guided_regex_and_json_as_vllm_and_openai_take_them(served, offline):
                                                         "json_schema": {"name": "n", "schema": schema}}}]),
         ({"json_schema": {"type": "object"}}, [{"structured_outputs": {"json_object": True}},
                                                {"response_format": {"type": "json_object"}}]),
+        ({"grammar": GRAMMAR}, [{"guided_grammar": GRAMMAR},
+                                {"structured_outputs": {"grammar": GRAMMAR}}]),
     ]  # fmt: skip
     for guide, bodies in cases:
         params = SamplingParams(temperature=0, max_tokens=24, **guide)

@@ -1,0 +1,201 @@
+"""Grammars (EBNF and Lark) as regular expressions: the strings each accepts and refuses, its
+recursion loops and bounds, its errors; and the engine's output under a grammar, the same with
+any drafter and equal to the output under the grammar's regular expression."""
+
+import json
+import random
+import re
+
+import pytest
+
+from specdec import SamplingParams, SpecConfig, StructuredOutputsParams
+from specdec.structured import grammar as grammar_module
+from specdec.structured.grammar import MAX_DEPTH, grammar_regex
+from specdec.structured.regex import compile_regex
+from tests.test_penalties import OracleDrafter
+
+SQL = """
+    root ::= select_statement
+    select_statement ::= "SELECT " column " from " table " where " condition
+    column ::= "col_1 " | "col_2 "
+    table ::= "table_1 " | "table_2 "
+    condition ::= column "= " number
+    number ::= "1 " | "2 "
+"""  # vLLM's documentation's example
+ARITHMETIC = r"""
+# nested parentheses: recursion that is not a loop, so it is bounded
+root ::= expr
+expr ::= term (("+" | "-") term)*
+term ::= factor (("*" | "/") factor)*
+factor ::= [0-9]+ | "(" expr ")"
+"""
+JSON_LARK = r"""
+?start: value
+?value: object | array | string | SIGNED_NUMBER -> number
+      | "true" -> true | "false" -> false | "null" -> null
+array  : "[" [value ("," value)*] "]"
+object : "{" [pair ("," pair)*] "}"
+pair   : string ":" value
+string : ESCAPED_STRING
+%import common.ESCAPED_STRING
+%import common.SIGNED_NUMBER
+%import common.WS_INLINE
+%ignore WS_INLINE   // spaces and tabs between any two terminals
+"""
+
+
+def accepts(grammar: str, text: str) -> bool:
+    return compile_regex(grammar_regex(grammar)).fullmatch(text)
+
+
+@pytest.mark.parametrize(
+    "grammar, good, bad",
+    [
+        (SQL, ["SELECT col_1  from table_2  where col_2 = 1 "],
+         ["SELECT col_3  from table_1  where col_1 = 1 ", "SELECT col_1  from table_2 "]),
+        (ARITHMETIC, ["1+2*3", "(1+(2*(3-4)))/7", "((12))"], ["1+", "()", "(1", "1 + 2"]),
+        (r'root ::= [^"\\\n]{2,3} "\x41\u00e9\U0001F600" . [a-c-]? "\"\\"',
+         ['ab\x41é😀\nc"\\', 'é😀xAé😀 -"\\'], ['a"Aé😀 "\\', 'abcdAé😀 "\\', 'abAé😀 d"\\']),
+        ('root ::= ("a" | "bc"){2} "x"{1,} "y"{,2} "z"{3}?', ["abcxyy", "bcbcxxzzz"],
+         ["axzzz", "aaxyyy", "aax zzz", "aaxzz"]),
+        ('root ::= list\nlist ::= item | item "," list\nitem ::= [0-9]',  # a right loop
+         ["1", ",".join("0123456789" * 3)], ["", "1,", ",1", "12"]),
+        ('root ::= list\nlist ::= "x" | list "+" [ab]', ["x", "x+a+b+b+a+a+b"], ["x+", "+a"]),
+        ('start: x ~ 2 y ~ 1..3 ["?"]\nx: "a".."c"\ny: "hi"i', ["abhIHI", "ccHi?"],
+         ["aHi", "abhihihihi", "adhi"]),
+        ('start: WORD+ "." -> sentence\n%import common (WORD, WS_INLINE)\n%ignore WS_INLINE',
+         ["Hi there .", "x."], [" .", "a\n."]),
+        ("start: /[a-z]+\\/[0-9]{2}/ NAME\nNAME.2: /[A-Z]/", ["ab/12Q"], ["ab12Q", "ab/12q"]),
+        ('start: INT "/" DIGIT N\nDIGIT: "x"\n%import common.INT\n%import common.DIGIT -> N',
+         ["12/x3"], ["12/33", "x/x3"]),  # an import's own rules apart from the grammar's
+        (JSON_LARK, ['{"a": [1, -2.5e3, {"b": null}], "c": "x\\"y"}', " [ true , false ] "],
+         ['{"a": }', "[1,]", '{"a" 1}', '"unterminated']),
+    ],
+)  # fmt: skip
+def test_a_grammar_accepts_its_strings_and_nothing_else(grammar, good, bad):
+    for text in good:
+        assert accepts(grammar, text), text
+    for text in bad:
+        assert not accepts(grammar, text), text
+
+
+def test_a_grammar_matches_what_its_hand_written_regex_matches():
+    """Random strings over a small alphabet, against Python's ``re`` on the same language."""
+    grammar = """
+        root ::= (pair ("," pair)*)? ";"   # comments are skipped
+        pair ::= key "=" [0-9]{1,2}
+        key ::= [a-b] [a-b0-9_]* | "'" [^']* "'"
+    """
+    pair = r"(?:[ab][ab0-9_]*|'[^']*')=[0-9]{1,2}"
+    expected = re.compile(f"(?:{pair}(?:,{pair})*)?;")
+    dfa = compile_regex(grammar_regex(grammar))
+    rng = random.Random(0)
+    for _ in range(3000):
+        text = "".join(rng.choice("ab1_=,;'x ") for _ in range(rng.randint(0, 10)))
+        assert dfa.fullmatch(text) == bool(expected.fullmatch(text)), text
+
+
+def test_recursion_that_is_not_a_loop_is_bounded():
+    nested = "(" * (MAX_DEPTH - 1) + "1" + ")" * (MAX_DEPTH - 1)
+    assert accepts(ARITHMETIC, nested)
+    assert not accepts(ARITHMETIC, "(" + nested + ")")
+    shallow = '{"a": {"b": {"c": 1}}}'  # start, then three containers: value open three times
+    assert accepts(JSON_LARK, shallow) and not accepts(JSON_LARK, shallow.replace("1", "[1]"))
+    mutual = 'root ::= a\na ::= "x" | "(" b ")"\nb ::= "[" a "]"'  # a and b call each other
+    assert accepts(mutual, "([([x])])") and not accepts(mutual, "([([([([x])])])])")
+
+
+@pytest.mark.parametrize(
+    "grammar, message",
+    [
+        ("", "grammar must be a non-empty string"),
+        ("just words", "no rule found"),
+        ('rot ::= "a"', "no 'root' rule"),
+        ('root ::= x\nx ::= "a"\nx ::= "b"', "rule 'x' is defined twice"),
+        ("root ::= missing", "rule 'missing' is used but not defined"),
+        ('root ::= "\\q"', "unsupported escape \\\\q"),
+        ('root ::= "abc', "missing closing"),
+        ("root ::= [a-", "missing closing"),
+        ("root ::= [z-a]", "from high to low"),
+        ('root ::= ("a"', "missing ')'"),
+        ('root ::= "a"{3,1}', "from 3 down to 1"),
+        ('root ::= "a"{x}', "bad repetition"),
+        ('root ::= "a" @', "unexpected '@' at line 1"),
+        ('root ::= root "a"', "matches no string"),
+        ("start: /a/i", "regexp flags are not supported"),
+        ("start: /a(?=b)/", "lookarounds"),
+        ("start: x\n%import foo.BAR", "only %import common.NAME and %ignore"),
+        ("start: NOPE\n%import common.NOPE", "common.NOPE is not one of"),
+        ('start: "ab".."c"', "a range needs two single characters"),
+        ('start: item{x}\nitem{x}: x', "template rules"),
+    ],
+)  # fmt: skip
+def test_bad_grammars_are_refused_precisely(grammar, message):
+    with pytest.raises(ValueError, match=re.escape(message) if "\\" not in message else message):
+        grammar_regex(grammar)
+    with pytest.raises(ValueError, match="grammar"):
+        SamplingParams(grammar=grammar)
+
+
+def test_a_grammar_too_large_to_expand_is_refused(monkeypatch):
+    monkeypatch.setattr(grammar_module, "MAX_PATTERN", 200)
+    grammar_module.grammar_regex.cache_clear()
+    with pytest.raises(ValueError, match="over 200 characters: nest its recursive rules less"):
+        grammar_regex('root ::= "(" root root root ")" | "x"')
+    grammar_module.grammar_regex.cache_clear()
+
+
+PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], list(range(10, 40)) * 2, [7] * 13, [200]]
+GRAMMARS = [
+    'root ::= item ("," item)* "."\nitem ::= "ab" | "c" [0-9]{1,2} | "(" root ")"',
+    'start: pair+ ";"\npair: KEY "=" /[0-9]+/\nKEY: "a".."d"\n%ignore " "',
+]
+
+
+@pytest.mark.parametrize("grammar", GRAMMARS)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_engine_follows_a_grammar_as_its_regex_and_with_any_drafter(
+    make_llm, grammar, temperature
+):
+    def outputs(llm, **guide):  # noqa: ANN001, ANN003
+        params = [SamplingParams(temperature=temperature, seed=s, max_tokens=24, **guide)
+                  for s in range(len(PROMPTS))]  # fmt: skip
+        return [o.token_ids for o in llm.generate(PROMPTS, params)]
+
+    llm = make_llm()
+    plain = outputs(llm, grammar=grammar)
+    assert plain == outputs(llm, regex=grammar_regex(grammar))
+    assert plain == outputs(llm, structured_outputs=StructuredOutputsParams(grammar=grammar))
+    reference = {tuple(p): o for p, o in zip(PROMPTS, plain)}
+    oracle = make_llm(speculative=SpecConfig(OracleDrafter(reference), 4, adaptive=False))
+    lookup = make_llm(speculative=SpecConfig("prompt_lookup", 4, adaptive=False))
+    assert outputs(oracle, grammar=grammar) == plain == outputs(lookup, grammar=grammar)
+    dfa = compile_regex(grammar_regex(grammar))
+    for ids in plain:
+        text = llm.decode(ids[:-1])
+        if ids[-1] in llm.engine.eos_token_ids:  # a whole derivation, then the end
+            assert dfa.fullmatch(text), text
+        else:  # cut by max_tokens: on the way to one
+            assert len(ids) == 24
+
+
+def test_a_json_grammar_gives_json(make_llm):
+    """Lark's JSON example with JSON's own strings and numbers (Lark's common ones take more:
+    ``.5``, ``"\\q"``)."""
+    own = r"""
+NUMBER: /-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/
+STRING: "\"" /([^"\\\x00-\x1f]|\\["\\bfnrt]|\\u[0-9a-fA-F]{4})*/ "\""
+%import common.WS_INLINE
+%ignore WS_INLINE
+"""
+    strict = JSON_LARK.split("%import")[0].replace("SIGNED_NUMBER", "NUMBER") + own
+    strict = strict.replace("ESCAPED_STRING", "STRING")
+    assert accepts(strict, '{"a": [1, -2.5e3, "\\u00e9\\n"]}') and not accepts(strict, ".5")
+    llm = make_llm()
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=48, grammar=strict)
+              for s in range(16)]  # fmt: skip
+    outs = llm.generate([PROMPTS[s % 4] for s in range(16)], params)
+    ended = [o for o in outs if o.token_ids[-1] in llm.engine.eos_token_ids]
+    assert ended
+    for out in ended:
+        json.loads(llm.decode(out.token_ids[:-1]))
