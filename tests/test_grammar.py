@@ -2,6 +2,7 @@
 recursion loops and bounds, its errors; and the engine's output under a grammar, the same with
 any drafter and equal to the output under the grammar's regular expression."""
 
+import functools
 import json
 import random
 import re
@@ -10,8 +11,9 @@ import pytest
 
 from specdec import SamplingParams, SpecConfig, StructuredOutputsParams
 from specdec.structured import grammar as grammar_module
+from specdec.structured import regex as regex_module
 from specdec.structured.grammar import MAX_DEPTH, grammar_regex
-from specdec.structured.regex import compile_regex
+from specdec.structured.regex import DFA, TooLarge, compile_regex
 from tests.test_penalties import OracleDrafter
 
 SQL = """
@@ -45,7 +47,12 @@ string : ESCAPED_STRING
 
 
 def accepts(grammar: str, text: str) -> bool:
-    return compile_regex(grammar_regex(grammar)).fullmatch(text)
+    return dfa_of(grammar).fullmatch(text)
+
+
+@functools.cache
+def dfa_of(grammar: str) -> DFA:
+    return compile_regex(grammar_regex(grammar))
 
 
 @pytest.mark.parametrize(
@@ -105,6 +112,46 @@ def test_recursion_that_is_not_a_loop_is_bounded():
     assert accepts(mutual, "([([x])])") and not accepts(mutual, "([([([([x])])])])")
 
 
+JSON_EBNF = r"""
+# JSON with integers only; "ws" after the tokens that may take it, a loop
+root   ::= object
+value  ::= object | array | string | number | ("true" | "false" | "null") ws
+object ::= "{" ws (member ("," ws member)*)? "}" ws
+member ::= string ":" ws value
+array  ::= "[" ws (value ("," ws value)*)? "]" ws
+string ::= "\"" (
+    [^"\\\x00-\x1f] |                             # a character, or
+    "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4})     # an escape
+  )* "\"" ws
+number ::= "-"? ("0" | [1-9] [0-9]*) ws
+ws     ::= ([ \t\n] ws)?
+"""
+
+
+def test_a_grammar_too_large_for_the_dfa_at_full_depth_is_followed_less_deep(make_llm):
+    """JSON's three recursive rules at depth 4 pass the DFA's 10,000 states: the guide is built
+    at depth 3 (the largest that fits), and the optional-recursive ``ws`` is a loop all the
+    same."""
+    guides = make_llm().engine.guides
+    dfa = guides.for_params(SamplingParams(grammar=JSON_EBNF)).dfa
+    assert guides._depths[JSON_EBNF] == MAX_DEPTH - 1
+    assert dfa.fullmatch('{"a": [1, -20, {"b": true}],' + " " * 30 + '"c\\u00e9": "x\\n"}')
+    assert dfa.fullmatch('{"a": {"b": [1]}}') and dfa.fullmatch('{"a": {"b": {"c": 1}}}')
+    assert not dfa.fullmatch('{"a": {"b": {"c": [1]}}}')  # a value open a fourth time
+    assert not dfa.fullmatch('{"a": 01}') and not dfa.fullmatch('{"a": 1,}')
+    with pytest.raises(ValueError, match="needs more than 10000 states"):
+        compile_regex(grammar_regex(JSON_EBNF))
+
+
+def test_a_grammar_too_large_at_the_least_depth_is_refused(make_llm, monkeypatch):
+    monkeypatch.setattr(regex_module, "MAX_STATES", 40)
+    llm = make_llm()
+    with pytest.raises(ValueError, match="too large to follow even with its recursion"):
+        llm.engine.guides.for_params(SamplingParams(grammar=JSON_EBNF))
+    with pytest.raises(ValueError, match="too large to follow"):
+        llm.generate([[1, 2]], SamplingParams(grammar=JSON_EBNF))
+
+
 @pytest.mark.parametrize(
     "grammar, message",
     [
@@ -137,12 +184,23 @@ def test_bad_grammars_are_refused_precisely(grammar, message):
         SamplingParams(grammar=grammar)
 
 
-def test_a_grammar_too_large_to_expand_is_refused(monkeypatch):
+def test_a_grammar_too_large_to_expand_is_followed_less_deep_or_refused(make_llm, monkeypatch):
+    tree = 'root ::= "(" root root root ")" | "x"'  # each level three times the one below
     monkeypatch.setattr(grammar_module, "MAX_PATTERN", 200)
     grammar_module.grammar_regex.cache_clear()
-    with pytest.raises(ValueError, match="over 200 characters: nest its recursive rules less"):
-        grammar_regex('root ::= "(" root root root ")" | "x"')
-    grammar_module.grammar_regex.cache_clear()
+    try:
+        with pytest.raises(TooLarge, match="over 200 characters: nest its recursive rules less"):
+            grammar_regex(tree)
+        guides = make_llm().engine.guides
+        dfa = guides.for_params(SamplingParams(grammar=tree)).dfa
+        assert guides._depths[tree] == MAX_DEPTH - 1 and dfa.fullmatch("(x(xxx)x)")
+        assert not dfa.fullmatch("(x(x(xxx)x)x)")
+        monkeypatch.setattr(grammar_module, "MAX_PATTERN", 20)
+        grammar_module.grammar_regex.cache_clear()
+        with pytest.raises(ValueError, match="over 20 characters"):
+            SamplingParams(grammar=tree)
+    finally:
+        grammar_module.grammar_regex.cache_clear()
 
 
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], list(range(10, 40)) * 2, [7] * 13, [200]]

@@ -24,10 +24,10 @@ import numpy as np
 import torch
 
 from specdec.structured.after import after_text
-from specdec.structured.grammar import grammar_regex
+from specdec.structured.grammar import MAX_DEPTH, MIN_DEPTH, grammar_regex
 from specdec.structured.json_schema import schema_regex
 from specdec.structured.params import GUIDES
-from specdec.structured.regex import DEAD, DFA, compile_regex
+from specdec.structured.regex import DEAD, DFA, TooLarge, compile_regex
 
 END = -1  # a choice trie's key for "a whole choice ends here"
 GUIDE_CACHE = 32  # compiled patterns an engine keeps
@@ -194,6 +194,7 @@ class GuideFactory:
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, eos_token_ids
         self._vocabulary: Vocabulary | None = None
         self._cache: OrderedDict[str, RegexGuide] = OrderedDict()
+        self._depths: dict[str, int] = {}  # a grammar's recursion bound (see _grammar)
         self._lock = threading.Lock()
 
     def for_params(self, params: Any) -> Guide | None:
@@ -213,8 +214,29 @@ class GuideFactory:
         if params.regex is not None:
             return self._regex(params.regex, after)
         if params.grammar is not None:
-            return self._regex(grammar_regex(params.grammar), after)
+            return self._grammar(params.grammar, after)
         return self._regex(schema_regex(params.json_schema), after)
+
+    def _grammar(self, text: str, after: tuple[str | None, str]) -> RegexGuide:
+        """The grammar's guide at the deepest recursion bound, from :data:`MAX_DEPTH` down to
+        :data:`MIN_DEPTH`, whose DFA is within the limits (the bound found is kept)."""
+        depth = self._depths.get(text, MAX_DEPTH)
+        while True:
+            try:
+                guide = self._regex(grammar_regex(text, depth), after)
+                break
+            except TooLarge as e:
+                if depth == MIN_DEPTH:
+                    raise ValueError(
+                        f"grammar: too large to follow even with its recursion expanded "
+                        f"{MIN_DEPTH} deep: {str(e).removeprefix('grammar: ')}"
+                    ) from None
+                depth -= 1
+        with self._lock:
+            self._depths[text] = depth
+            if len(self._depths) > GUIDE_CACHE:
+                del self._depths[next(iter(self._depths))]
+        return guide
 
     def _regex(self, pattern: str, after: tuple[str | None, str] = (None, "")) -> RegexGuide:
         """The pattern's guide (applied after the text ``after[0]``, if given, entered through

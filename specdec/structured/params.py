@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from specdec.structured.grammar import grammar_regex
+from specdec.structured.grammar import MIN_DEPTH, grammar_regex
 from specdec.structured.json_schema import schema_regex
 from specdec.structured.regex import check_regex
 
@@ -79,7 +79,7 @@ def check_guides(params: Any) -> None:  # noqa: ANN401 - a SamplingParams (which
             isinstance(params.grammar, str) and params.grammar.strip(),
             f"grammar must be a non-empty string, got {params.grammar!r}",
         )
-        check_regex(grammar_regex(params.grammar))
+        check_regex(grammar_regex(params.grammar, MIN_DEPTH))  # the guide's depth: its DFA's
     guides = [n for n in GUIDES if getattr(params, n) is not None]
     _require(len(guides) <= 1, f"give one of {', '.join(GUIDES)}, not {guides}")
     _require(

@@ -38,6 +38,10 @@ ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "0": "\0"}
 CLASSES = {"d": DIGIT, "w": WORD, "s": SPACE}
 
 
+class TooLarge(ValueError):
+    """A pattern past the limits above (states, time): valid, but too large to follow."""
+
+
 def normalize(ranges: Ranges) -> Ranges:
     out: Ranges = []
     for lo, hi in sorted(ranges):
@@ -261,7 +265,7 @@ class _NFA:
 
     def state(self) -> int:
         if len(self.eps) >= MAX_NFA_STATES:
-            raise ValueError(f"regex needs more than {MAX_NFA_STATES} automaton states")
+            raise TooLarge(f"regex needs more than {MAX_NFA_STATES} automaton states")
         self.eps.append([])
         self.edges.append([])
         return len(self.eps) - 1
@@ -364,7 +368,7 @@ def compile_regex(pattern: str) -> DFA:
     while todo:
         current = todo.pop()
         if time.monotonic() > deadline:
-            raise ValueError(f"regex {shown(pattern)} takes over {MAX_SECONDS:.0f} s to compile")
+            raise TooLarge(f"regex {shown(pattern)} takes over {MAX_SECONDS:.0f} s to compile")
         edges = [e for s in current for e in nfa.edges[s]]
         if not edges:
             continue
@@ -375,7 +379,7 @@ def compile_regex(pattern: str) -> DFA:
             target = closure({edges[e][1] for e in np.flatnonzero(signature)})
             if target not in ids:
                 if len(ids) >= MAX_STATES:
-                    raise ValueError(f"regex {shown(pattern)} needs more than {MAX_STATES} states")
+                    raise TooLarge(f"regex {shown(pattern)} needs more than {MAX_STATES} states")
                 ids[target] = len(ids)
                 rows.append(np.zeros(256, np.int32))
                 todo.append(target)
