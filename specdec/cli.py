@@ -322,7 +322,7 @@ def _split(value: str | None, kind: type = str) -> tuple[Any, ...] | None:
     "--modes",
     default="offline,load",
     show_default=True,
-    help="Comma-separated, of offline, load, runtime, kernels, wrap, quant, embed, lora.",
+    help="Comma-separated, of offline, load, runtime, kernels, wrap, quant, embed, lora, guided.",
 )
 @click.option("--no-hf", is_flag=True, help="Skip transformers generate.")
 @click.option("--no-peers", is_flag=True, help="Skip llama.cpp.")

@@ -23,6 +23,8 @@ Modes (``--modes``, comma-separated; default ``offline,load``):
 * ``embed`` (:mod:`.embed`): ``LLM.embed`` against transformers computing the same vectors.
 * ``lora`` (:mod:`.lora`): decoding through LoRA adapters (one, and several mixed in a step)
   against the engine without one and against transformers with PEFT, on the default model.
+* ``guided`` (:mod:`.guided`): grammar-guided tasks with and without drafters, and llama.cpp
+  following the same grammars on the same GGUF file when installed.
 
 Then a recommendation (:mod:`.recommend`), and in ``out``: ``bench.json`` (every figure and the
 environment), ``bench.md`` and PNG plots. Every ratio compares systems run side by side in this
@@ -61,7 +63,7 @@ from specdec.eval.bench.systems import (
 )
 from specdec.eval.questions import DEFAULT_DATASET, by_category, read_questions
 
-MODES = ("offline", "load", "runtime", "kernels", "wrap", "quant", "embed", "lora")
+MODES = ("offline", "load", "runtime", "kernels", "wrap", "quant", "embed", "lora", "guided")
 RATE_MULTIPLIERS = (0.5, 1.0, 2.0, 4.0)  # of one stream's request rate, when no rates are given
 QUICK_RATE_MULTIPLIERS = (1.0, 4.0)
 
@@ -207,7 +209,15 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         result["lora"] = run_lora(
             conversations, cfg.max_new_tokens or 64, out, cfg.dtype, 1 if cfg.quick else 2
         )
-    result["failed"] = bool(result.get("offline", {}).get("mismatches"))
+    if "guided" in cfg.modes:
+        from specdec.eval.bench.guided import read_tasks, run_guided
+
+        tasks = read_tasks()
+        result["guided"] = run_guided(
+            cfg.dtype, 1 if cfg.quick else 2, tasks[::4] if cfg.quick else tasks,
+            peers=cfg.peers, model=cfg.model, tokenizer=cfg.tokenizer,
+        )  # fmt: skip
+    result["failed"] = any(result.get(m, {}).get("mismatches") for m in ("offline", "guided"))
     (out / "bench.json").write_text(json.dumps(result, indent=2, default=str), encoding="utf-8")
     (out / "bench.md").write_text(report.markdown(result), encoding="utf-8")
     result["plots"] = [str(p) for p in report.plot(result, out)]

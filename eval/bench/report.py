@@ -170,6 +170,10 @@ def markdown(result: dict[str, Any]) -> str:
         from specdec.eval.bench.lora import markdown as lora_markdown
 
         parts += ["## LoRA adapters\n", lora_markdown(result["lora"])]
+    if result.get("guided"):
+        from specdec.eval.bench.guided import markdown as guided_markdown
+
+        parts += ["## Grammar-guided decoding\n", guided_markdown(result["guided"])]
     if result.get("quant"):
         from specdec.eval.bench.quant import markdown as quant_markdown
 

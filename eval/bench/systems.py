@@ -122,7 +122,8 @@ class LlamaCpp:
             str(_default_gguf_path()), n_ctx=4096, n_threads=threads, verbose=False, seed=0
         )
 
-    def generate(self, prompt: list[int], max_tokens: int) -> list[int]:
+    def generate(self, prompt: list[int], max_tokens: int, grammar: str | None = None) -> list[int]:
+        """``grammar``: GBNF the output must follow (llama.cpp's grammar sampler)."""
         self.model.reset()
         tokens: list[int] = []
         how: dict[str, Any]  # typed loosely: llama_cpp's stubs, when installed, want per-key types
@@ -132,6 +133,10 @@ class LlamaCpp:
             how |= {"top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0}  # its defaults: 40, 0.05
         else:
             how = {"temp": 0.0, "top_k": 1}
+        if grammar is not None:
+            from llama_cpp import LlamaGrammar
+
+            how["grammar"] = LlamaGrammar.from_string(grammar, verbose=False)
         for token in self.model.generate(prompt, reset=True, **how):
             tokens.append(int(token))
             if len(tokens) == max_tokens or token == self.eos_token_id:
