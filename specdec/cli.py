@@ -70,6 +70,9 @@ def main() -> None:
 )
 @speculation_options
 @click.option("--stats", is_flag=True, help="Print the speculation summary.")
+@click.option(
+    "--lora", default=None, help="Generate through this PEFT LoRA adapter (its directory)."
+)
 def generate(
     prompts: tuple[str, ...],
     model: str | None,
@@ -88,11 +91,13 @@ def generate(
     lookup_first: int | None,
     beam_width: int | None,
     length_penalty: float,
+    lora: str | None,
     **sampling: Any,
 ) -> None:
     """Generate a completion for each PROMPT, in one continuous batch (or, with --beam-width,
     search each one's best continuations)."""
     from specdec.llm import LLM
+    from specdec.lora import LoRARequest, adapter_rank
 
     try:
         read_guides(sampling)
@@ -105,6 +110,9 @@ def generate(
             heads=heads,
             lookup_first=lookup_first,
         )
+        adapters: dict[str, Any] = (
+            {"enable_lora": True, "max_lora_rank": adapter_rank(lora)} if lora else {}
+        )
         llm = LLM(
             model,
             dtype=dtype,
@@ -113,14 +121,17 @@ def generate(
             batch_invariant=batch_invariant,
             device=device,
             cuda_graphs=cuda_graphs,
+            **adapters,
         )
+        adapter = LoRARequest("adapter", 1, lora) if lora else None
         if beam_width is not None:
-            return beam_search(llm, prompts, raw, params, beam_width, length_penalty)
+            return beam_search(llm, prompts, raw, params, beam_width, length_penalty, adapter)
         start = time.perf_counter()
         if raw:
-            outputs = llm.generate(list(prompts), params)
+            outputs = llm.generate(list(prompts), params, lora_request=adapter)
         else:
-            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+            chats = [[{"role": "user", "content": p}] for p in prompts]
+            outputs = llm.chat(chats, params, lora_request=adapter)
         elapsed = time.perf_counter() - start
     except (ValueError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from e
@@ -153,9 +164,10 @@ def beam_search(
     params: SamplingParams,
     width: int,
     penalty: float,
+    adapter: Any = None,  # noqa: ANN401 - a LoRARequest
 ) -> None:
     """``generate --beam-width``: each prompt's ``width`` best beams, best first, with their
-    summed logprobs (only ``--max-tokens`` and the prompt shape them)."""
+    summed logprobs (only ``--max-tokens``, the prompt and the adapter shape them)."""
     sampled = params.temperature > 0 or params.logprobs is not None or params.has_penalties
     if sampled or any(getattr(params, name) for name in GUIDES):
         raise click.ClickException(
@@ -165,9 +177,8 @@ def beam_search(
         )
     texts = [p if raw else llm.render_chat([{"role": "user", "content": p}]) for p in prompts]
     start = time.perf_counter()
-    results = llm.beam_search(
-        texts, BeamSearchParams(width, params.max_tokens, length_penalty=penalty)
-    )
+    search = BeamSearchParams(width, params.max_tokens, length_penalty=penalty)
+    results = llm.beam_search(texts, search, lora_request=adapter)
     elapsed = time.perf_counter() - start
     for prompt, result in zip(prompts, results):
         click.echo(f"### {prompt}")

@@ -162,6 +162,13 @@ def _join(
     return a.to(dtype), b.to(dtype)
 
 
+def adapter_rank(path: str) -> int:
+    """The highest rank of the PEFT LoRA adapter at ``path`` (ValueError if it is none this
+    engine reads)."""
+    config = _read_config(pathlib.Path(path))
+    return max([int(config.get("r", 8)), *map(int, (config.get("rank_pattern") or {}).values())])
+
+
 def _read_config(path: pathlib.Path) -> dict[str, Any]:
     file = path / "adapter_config.json"
     if not file.is_file():

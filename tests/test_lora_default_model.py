@@ -64,3 +64,23 @@ def test_bf16_speculation_through_an_adapter_is_exact(adapter):
     got = spec.generate(prompts, GREEDY, lora_request=lora)
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
     assert spec.engine.verifier.stats.num_accepted_tokens > 0
+
+
+def test_cli_generates_through_an_adapter(adapter, tmp_path):
+    from click.testing import CliRunner
+
+    from specdec.cli import main
+
+    lora, _, _ = adapter
+    question = QUESTIONS[0]
+    result = CliRunner().invoke(
+        main, ["generate", "--lora", lora.path, "--max-tokens", "12", question]
+    )
+    assert result.exit_code == 0, result.output
+    llm = LLM(enable_lora=True, num_kv_blocks=64)
+    expected = llm.chat([{"role": "user", "content": question}], GREEDY, lora_request=lora)[0]
+    plain = llm.chat([{"role": "user", "content": question}], GREEDY)[0]
+    shown = result.output.split("\n")[1]
+    assert expected.text.startswith(shown) and not plain.text.startswith(shown)
+    result = CliRunner().invoke(main, ["generate", "--lora", str(tmp_path), "hi"])
+    assert result.exit_code != 0 and "adapter_config.json not found" in result.output
