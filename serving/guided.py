@@ -10,9 +10,14 @@ from typing import Any, ClassVar
 from pydantic import ValidationInfo, field_validator
 
 from specdec.serving.strict import StrictModel
-from specdec.structured.params import GUIDES
+from specdec.structured.params import GUIDES, StructuredOutputsParams
 
 STRUCTURED_KINDS = ("choice", "regex", "json", "grammar", "json_object")  # structured_outputs
+# structured_outputs' options of a JSON guide (see StructuredOutputsParams)
+JSON_OPTIONS = (
+    "whitespace_pattern", "disable_any_whitespace", "disable_additional_properties",
+    "disable_fallback",
+)  # fmt: skip
 
 
 class GuidedFields(StrictModel):
@@ -27,6 +32,9 @@ class GuidedFields(StrictModel):
     guided_json: Any = None  # a JSON Schema: an object, or its text
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
+    # extra (vLLM's): the whitespace allowed between JSON tokens (a regex; default: at most one
+    # space), as structured_outputs' whitespace_pattern
+    guided_whitespace_pattern: str | None = None
     # OpenAI's (chat; vLLM's completions too): {"type": "text"} (the default), {"type":
     # "json_object"} (any JSON object), or {"type": "json_schema", "json_schema": {"name": ...,
     # "schema": {...}}}
@@ -39,7 +47,11 @@ class GuidedFields(StrictModel):
     @field_validator("structured_outputs")
     @classmethod
     def _known_kinds(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        kinds = {k: v for k, v in (value or {}).items() if v is not None and v is not False}
+        kinds = {
+            k: v
+            for k, v in (value or {}).items()
+            if v is not None and v is not False and k not in JSON_OPTIONS
+        }
         for key in kinds:
             if key not in STRUCTURED_KINDS:
                 raise ValueError(
@@ -56,6 +68,11 @@ class GuidedFields(StrictModel):
             raise ValueError("json must be a JSON Schema (an object, or its text)")
         if "json_object" in kinds and kinds["json_object"] is not True:
             raise ValueError("json_object must be true or false")
+        for key in JSON_OPTIONS[1:]:
+            if not isinstance((value or {}).get(key, False), bool):
+                raise ValueError(f"{key} must be true or false")
+        if not isinstance((value or {}).get("whitespace_pattern") or "", str):
+            raise ValueError("whitespace_pattern must be a string")
         return value
 
     @field_validator("guided_json")
@@ -98,13 +115,15 @@ class GuidedFields(StrictModel):
 
     def guide(self) -> dict[str, Any]:
         """The guide as SamplingParams takes it: ``{"choice" | "regex" | "json_schema" |
-        "grammar": ...}``
-        or nothing, from whichever field gave it (validated: one at most)."""
+        "grammar": ...}`` or nothing, from whichever field gave it (validated: one at most)."""
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
             spec = (self.response_format or {}).get("json_schema") or {}
-            return format_guide(kind, spec.get("schema", {}))
+            return self._with_json_options(format_guide(kind, spec.get("schema", {})))
         structured = {k: v for k, v in (self.structured_outputs or {}).items() if v is not None}
+        return self._with_json_options(self._guide_of(structured))
+
+    def _guide_of(self, structured: dict[str, Any]) -> dict[str, Any]:
         for field, kind, key in (
             ("guided_choice", "choice", "choice"),
             ("guided_regex", "regex", "regex"),
@@ -119,10 +138,37 @@ class GuidedFields(StrictModel):
             return {"json_schema": {"type": "object"}}
         return {}
 
+    def _with_json_options(self, guide: dict[str, Any]) -> dict[str, Any]:
+        """A JSON guide with structured_outputs' whitespace options (or guided_whitespace_pattern)
+        as its regex (:meth:`StructuredOutputsParams.guide`)."""
+        options = {k: v for k, v in (self.structured_outputs or {}).items() if k in JSON_OPTIONS}
+        if self.guided_whitespace_pattern is not None:
+            options["whitespace_pattern"] = self.guided_whitespace_pattern
+        ws = options.get("whitespace_pattern") is not None or options.get("disable_any_whitespace")
+        if not ws or not guide:  # no option to apply, or no guide to apply it to
+            return guide
+        if "json_schema" not in guide:
+            raise ValueError(
+                "structured_outputs: whitespace_pattern and disable_any_whitespace apply to a "
+                "JSON guide only"
+            )
+        return StructuredOutputsParams(json=guide["json_schema"], **options).guide()
+
+    def guided(self) -> bool:
+        """Whether any field gives this request a guide."""
+        structured = self.structured_outputs or {}
+        return (
+            any(getattr(self, n) is not None for n in self.GUIDED)
+            or any(v is not None and v is not False for k, v in structured.items()
+                   if k not in JSON_OPTIONS)
+            or (self.response_format or {}).get("type", "text") != "text"
+        )  # fmt: skip
+
     def param_of(self, name: str) -> str:
         """The request field to name in an error about SamplingParams' field ``name``: the
         field that gave the guide for the guide fields (:data:`GUIDES`)."""
-        return self.guide_field() if name.rstrip(":") in GUIDES else name
+        name = name.rstrip(":")
+        return self.guide_field() if name in (*GUIDES, "structured_outputs") else name
 
     def guide_field(self) -> str:
         if (self.response_format or {}).get("type", "text") != "text":

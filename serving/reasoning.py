@@ -68,7 +68,7 @@ def guide_after(split: ReasoningSplit | None, body: GuidedFields) -> dict[str, A
     straight away when its prompt opens a thinking block, else where the reply opens one
     itself (``guide_after_opening``; a reply that does not is guided from its first token).
     Nothing without a parser or a guide."""
-    if split is None or not body.guide():
+    if split is None or not body.guided():
         return {}
     return (
         {"guide_after": END} if split.opened else {"guide_after": END, "guide_after_opening": START}

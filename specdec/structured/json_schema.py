@@ -46,8 +46,9 @@ KEYWORDS = ANNOTATIONS | {"type", "properties", "required", "items", "minItems",
                           "pattern", "format", "$ref"}  # fmt: skip
 
 
-def schema_regex(schema: dict[str, Any] | bool | str) -> str:
-    """The regular expression of ``schema`` (a dict, a boolean, or its JSON text)."""
+def schema_regex(schema: dict[str, Any] | bool | str, whitespace: str = WHITESPACE) -> str:
+    """The regular expression of ``schema`` (a dict, a boolean, or its JSON text);
+    ``whitespace``: the pattern allowed between JSON tokens."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -55,28 +56,27 @@ def schema_regex(schema: dict[str, Any] | bool | str) -> str:
             raise ValueError(f"json_schema is not valid JSON: {e}") from None
     if not isinstance(schema, (dict, bool)):
         raise ValueError(f"json_schema must be an object, got {type(schema).__name__}")
-    return _Builder(schema).value(schema, 0)
+    return _Builder(schema, whitespace).value(schema, 0)
 
 
-def free_json_regex(depth: int = FREE_DEPTH, top_object: bool = False) -> str:
-    """Any JSON value nested at most ``depth`` levels (an object, if ``top_object``)."""
+def free_json_regex(depth: int = FREE_DEPTH, top_object: bool = False, w: str = WHITESPACE) -> str:
+    """Any JSON value nested at most ``depth`` levels (an object, if ``top_object``), ``w``
+    between its tokens."""
     scalars = "|".join(SCALARS.values())
     value = f"(?:{scalars})"
     for _ in range(depth):
-        obj = _object_of(f"{STRING}{WHITESPACE}:{WHITESPACE}{value}")
-        array = _sequence(value, 0, None)
+        obj = _object_of(f"{STRING}{w}:{w}{value}", w)
+        array = _sequence(value, 0, None, w)
         value = f"(?:{scalars}|{obj}|{array})"
-    return _object_of(f"{STRING}{WHITESPACE}:{WHITESPACE}{value}") if top_object else value
+    return _object_of(f"{STRING}{w}:{w}{value}", w) if top_object else value
 
 
-def _object_of(member: str) -> str:
-    w = WHITESPACE
+def _object_of(member: str, w: str) -> str:
     return rf"\{{{w}(?:{member}(?:{w},{w}{member})*)?{w}\}}"
 
 
-def _sequence(item: str, low: int, high: int | None) -> str:
-    """A JSON array of ``low`` to ``high`` (None: any number of) ``item``s."""
-    w = WHITESPACE
+def _sequence(item: str, low: int, high: int | None, w: str) -> str:
+    """A JSON array of ``low`` to ``high`` (None: any number of) ``item``s, ``w`` between."""
     more = f"(?:{w},{w}{item})"
     if high is not None and high < low:
         raise ValueError(f"maxItems ({high}) is below minItems ({low})")
@@ -92,7 +92,8 @@ def _literal(value: Any) -> str:
 
 
 class _Builder:
-    def __init__(self, root: dict[str, Any] | bool):
+    def __init__(self, root: dict[str, Any] | bool, whitespace: str):
+        self.w = f"(?:{whitespace})" if whitespace and whitespace != WHITESPACE else whitespace
         self.depth = 0  # schemas within schemas, now
         self.defs: dict[str, Any] = {}
         if isinstance(root, dict):
@@ -109,7 +110,7 @@ class _Builder:
 
     def _value(self, schema: dict[str, Any] | bool, refs: int) -> str:
         if schema is True or schema == {}:
-            return free_json_regex()
+            return free_json_regex(w=self.w)
         if schema is False:
             raise ValueError("json_schema false accepts nothing")
         unknown = sorted(set(schema) - KEYWORDS)
@@ -132,7 +133,7 @@ class _Builder:
         if kind is None:
             kind = "object" if "properties" in schema else "array" if "items" in schema else None
         if kind is None:
-            return free_json_regex()
+            return free_json_regex(w=self.w)
         if isinstance(kind, list):
             return "(?:" + "|".join(self.typed(schema, k, refs) for k in kind) + ")"
         return self.typed(schema, kind, refs)
@@ -154,10 +155,10 @@ class _Builder:
             return SCALARS[kind]
         if kind == "array":
             item = self.value(schema.get("items", {}), refs)
-            return _sequence(item, schema.get("minItems", 0), schema.get("maxItems"))
+            return _sequence(item, schema.get("minItems", 0), schema.get("maxItems"), self.w)
         if kind == "object":
             if "properties" not in schema:
-                return free_json_regex(top_object=True)
+                return free_json_regex(top_object=True, w=self.w)
             return self.object(schema, refs)
         raise ValueError(f"json_schema type {kind!r} is not a JSON type")
 
@@ -176,7 +177,7 @@ class _Builder:
     def object(self, schema: dict[str, Any], refs: int) -> str:
         """The properties in order, each required one present, optional ones where the model
         chooses; commas only between the members present."""
-        w = WHITESPACE
+        w = self.w
         required = set(schema.get("required", []))
         members = [
             (f"{_literal(name)}{w}:{w}{self.value(sub, refs)}", name in required)

@@ -19,24 +19,38 @@ class StructuredOutputsParams:
     """vLLM's ``StructuredOutputsParams``, for code written against it: one of ``json`` (a JSON
     Schema), ``regex``, ``choice``, ``grammar`` or ``json_object=True`` (any JSON object), which
     ``SamplingParams(structured_outputs=...)`` takes as its ``json_schema``, ``regex``,
-    ``choice`` or ``grammar``."""
+    ``choice`` or ``grammar``.
+
+    For JSON: ``whitespace_pattern`` (a regex) replaces the whitespace allowed between JSON
+    tokens (at most one space by default), ``disable_any_whitespace=True`` allows none; the
+    guide is then the schema's regex with it (``SamplingParams.regex``).
+    ``disable_additional_properties`` changes nothing: an object never takes a property its
+    schema does not list. ``disable_fallback`` has no meaning here (one guide, no fallback);
+    ``structural_tag`` is refused."""
 
     json: dict[str, Any] | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     json_object: bool | None = None
     grammar: str | None = None
+    structural_tag: str | None = None
+    whitespace_pattern: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    disable_fallback: bool = False
 
     def guide(self) -> dict[str, Any]:
         """The SamplingParams fields this sets (ValueError unless exactly one kind is given)."""
+        if self.structural_tag is not None:
+            raise ValueError("structured_outputs.structural_tag is not supported")
+        schema = {"type": "object"} if self.json_object else self.json
         given = {
             key: value
             for key, value in (
-                ("json_schema", self.json),
+                ("json_schema", schema),
                 ("regex", self.regex),
                 ("choice", self.choice),
                 ("grammar", self.grammar),
-                ("json_schema", {"type": "object"} if self.json_object else None),
             )
             if value is not None
         }
@@ -44,6 +58,16 @@ class StructuredOutputsParams:
         kinds += ["json_object"] if self.json_object else []
         if len(kinds) != 1:
             raise ValueError(f"structured_outputs needs exactly one kind, got {kinds or 'none'}")
+        whitespace = "" if self.disable_any_whitespace else self.whitespace_pattern
+        if whitespace is not None and schema is None:
+            raise ValueError(
+                "structured_outputs: whitespace_pattern and disable_any_whitespace apply to json "
+                "and json_object only"
+            )
+        if whitespace is not None and schema is not None:
+            if whitespace:
+                check_regex(whitespace)
+            return {"regex": schema_regex(schema, whitespace)}
         return given
 
 

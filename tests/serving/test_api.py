@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import specdec
-from specdec import SamplingParams
+from specdec import SamplingParams, StructuredOutputsParams
 from tests.tiny import byte_tokenizer
 
 from .conftest import MODEL
@@ -369,6 +369,9 @@ def test_guided_regex_json_and_grammar_as_vllm_and_openai_take_them(served, offl
                                                {"response_format": {"type": "json_object"}}]),
         ({"grammar": GRAMMAR}, [{"guided_grammar": GRAMMAR},
                                 {"structured_outputs": {"grammar": GRAMMAR}}]),
+        ({"structured_outputs": StructuredOutputsParams(json=schema, disable_any_whitespace=True)},
+         [{"structured_outputs": {"json": schema, "disable_any_whitespace": True}},
+          {"guided_json": schema, "guided_whitespace_pattern": ""}]),
     ]  # fmt: skip
     for guide, bodies in cases:
         params = SamplingParams(temperature=0, max_tokens=24, **guide)
