@@ -9,7 +9,7 @@ from specdec.lora import LoRARequest
 from specdec.outputs import RequestOutput, TokenLogprobs
 from specdec.pooling import EmbeddingRequestOutput, PoolingParams
 from specdec.scoring import ScoringRequestOutput
-from specdec.structured.params import StructuredOutputsParams
+from specdec.structured.params import GuidedDecodingParams, StructuredOutputsParams
 from specdec.wrap import WrappedModel, wrap
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "ScoringRequestOutput",
     "SpecConfig",
     "StructuredOutputsParams",
+    "GuidedDecodingParams",
     "TokenLogprobs",
     "WrappedModel",
     "wrap",

@@ -84,6 +84,7 @@ class SamplingParams:
     grammar: str | None = None
     # vLLM's form of the four above (see StructuredOutputsParams)
     structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None  # its name before vLLM 0.11
     # the guide above applies after this text first ends the output (a reasoning model's
     # "</think>": vLLM's reasoning-aware structured outputs); before it the output is free
     guide_after: str | None = None
@@ -141,10 +142,13 @@ class SamplingParams:
             f"stop and stop_token_ids must be lists, got {self.stop!r} and {self.stop_token_ids!r}",
         )
         self.stop, self.stop_token_ids = list(self.stop), list(self.stop_token_ids)
-        if self.structured_outputs is not None:
+        structured = self.structured_outputs or self.guided_decoding
+        if structured is not None:
+            given = "structured_outputs" if self.structured_outputs else "guided_decoding"
             flat = [n for n in GUIDES if getattr(self, n) is not None]
-            _check(not flat, f"give structured_outputs or {flat[0] if flat else ''}, not both")
-            for name, value in self.structured_outputs.guide().items():
+            flat += ["guided_decoding"] if self.structured_outputs and self.guided_decoding else []
+            _check(not flat, f"give {given} or {flat[0] if flat else ''}, not both")
+            for name, value in structured.guide().items():
                 setattr(self, name, value)
         _check(
             isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool),

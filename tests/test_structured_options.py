@@ -65,3 +65,21 @@ def test_the_engine_writes_compact_json_when_asked(make_llm):
         text = llm.decode(out.token_ids[:-1])
         if out.token_ids[-1] in llm.engine.eos_token_ids:
             assert json.loads(text)["n"] is not None and " " not in text
+
+
+def test_vllms_older_guided_decoding_params_set_the_same_guides():
+    from specdec import GuidedDecodingParams
+
+    old = SamplingParams(guided_decoding=GuidedDecodingParams(json=SCHEMA, backend="xgrammar"))
+    assert old.json_schema == SCHEMA and old.regex is None
+    grammar = SamplingParams(guided_decoding=GuidedDecodingParams(grammar='root ::= "x"'))
+    assert grammar.grammar == 'root ::= "x"'
+    compact = SamplingParams(
+        guided_decoding=GuidedDecodingParams(json=SCHEMA, disable_any_whitespace=True)
+    )
+    assert compact.regex == schema_regex(SCHEMA, "")
+    new = StructuredOutputsParams(regex="a")
+    with pytest.raises(ValueError, match="give structured_outputs or guided_decoding, not both"):
+        SamplingParams(structured_outputs=new, guided_decoding=GuidedDecodingParams(regex="a"))
+    with pytest.raises(ValueError, match="give guided_decoding or regex, not both"):
+        SamplingParams(guided_decoding=GuidedDecodingParams(regex="a"), regex="b")

@@ -71,6 +71,16 @@ class StructuredOutputsParams:
         return given
 
 
+@dataclass(slots=True)
+class GuidedDecodingParams(StructuredOutputsParams):
+    """vLLM's name of :class:`StructuredOutputsParams` before v0.11, which
+    ``SamplingParams(guided_decoding=...)`` takes. ``backend`` names the library vLLM would
+    follow the guide with (xgrammar, outlines, ...); this engine has its own, so it is
+    ignored."""
+
+    backend: str | None = None
+
+
 def check_guides(params: Any) -> None:  # noqa: ANN401 - a SamplingParams (which imports this)
     """Validate a ``SamplingParams``' guide fields (:data:`GUIDES`, ``guide_after``,
     ``guide_after_opening``); ValueError naming the field. A pattern's syntax is checked now, its DFA
