@@ -5,12 +5,15 @@ own name: a request whose ``model`` is ``sql`` runs through it, one that names t
 none) through no adapter, and ``GET /v1/models`` lists each adapter beside the base model (its
 ``parent``). With ``--allow-runtime-lora-updating`` (or vLLM's environment variable
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``), ``POST /v1/load_lora_adapter`` (``lora_name``,
-``lora_path``) and ``POST /v1/unload_lora_adapter`` (``lora_name``) change them while serving.
+``lora_path``) and ``POST /v1/unload_lora_adapter`` (``lora_name``) change them while serving,
+and with ``--lora-resolver-dir DIR`` too (vLLM's ``VLLM_LORA_RESOLVER_CACHE_DIR``), a request
+naming a model the server does not know loads the adapter in ``DIR/<model>`` and is served by it.
 """
 
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
@@ -38,6 +41,30 @@ def serve_adapters(llm: LLM, modules: list[LoRARequest], base_name: str) -> dict
             raise ValueError(f"LoRA module {module.name!r} has the served model's name")
         llm.engine.add_lora(module)
     return {module.name: module for module in modules}
+
+
+async def resolve_adapter(state: ServerState, model: str) -> bool:
+    """Whether ``model`` names an adapter in the resolver directory (``--lora-resolver-dir``),
+    now loaded and served under that name, as vLLM's filesystem resolver does; 400 for one
+    that is there but cannot be loaded."""
+    root = state.config.lora_resolver_dir
+    if root is None or state.llm.engine.loras is None or model in ("", ".", ".."):
+        return False
+    path = Path(root) / model
+    if path.parent != Path(root) or not (path / "adapter_config.json").is_file():
+        return False  # not one directory's name under the root, or no adapter there
+    async with state.resolving:
+        if model not in state.loras:
+            await _load(state, LoRARequest(model, next(state.lora_ids), str(path)), "model")
+    return True
+
+
+async def _load(state: ServerState, lora: LoRARequest, param: str) -> None:
+    try:
+        await state.engine.call(lambda engine: engine.add_lora(lora))
+    except ValueError as e:
+        raise APIError(400, str(e), param=param) from e
+    state.loras[lora.name] = lora
 
 
 def adapter_of(state: ServerState, model: str | None) -> LoRARequest | None:
@@ -70,10 +97,9 @@ async def load_adapter(body: LoadAdapterRequest, request: Request) -> PlainTextR
         )
     try:
         lora = LoRARequest(body.lora_name, next(state.lora_ids), body.lora_path)
-        await state.engine.call(lambda engine: engine.add_lora(lora))
     except ValueError as e:
         raise APIError(400, str(e), param="lora_path") from e
-    state.loras[lora.name] = lora
+    await _load(state, lora, "lora_path")
     return PlainTextResponse(f"Success: LoRA adapter '{lora.name}' added successfully.")
 
 

@@ -76,6 +76,9 @@ class ServerConfig:
     # whether /v1/load_lora_adapter and /v1/unload_lora_adapter may change them while serving
     lora_modules: list[LoRARequest] = field(default_factory=list)
     allow_runtime_lora_updating: bool = False
+    # with allow_runtime_lora_updating: a request naming an unknown model loads the adapter in
+    # this directory's subdirectory of that name (vLLM's filesystem resolver; adapters.py)
+    lora_resolver_dir: str | None = None
 
     def __post_init__(self) -> None:
         names = ("max_concurrent", "max_body_bytes", "retry_after_s", "max_stop_chars")
@@ -85,6 +88,8 @@ class ServerConfig:
         for name in ("max_queue", "max_stop_strings", "responses_store"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.lora_resolver_dir is not None and not self.allow_runtime_lora_updating:
+            raise ValueError("lora_resolver_dir needs allow_runtime_lora_updating")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset for an open server)")
         if self.metrics_require_key and self.api_key is None:
@@ -120,6 +125,7 @@ class ServerState:
     token_texts: TokenTexts  # each token's text, for logprobs
     responses: ResponseStore | None = None  # --responses-store
     loras: dict[str, LoRARequest] = field(default_factory=dict)  # served adapters, by name
+    resolving: asyncio.Lock = field(default_factory=asyncio.Lock)  # one adapter found at a time
     lora_ids: Iterator[int] = field(default_factory=itertools.count)  # for adapters loaded later
     created: int = field(default_factory=lambda: int(time.time()))  # server start, Unix time
 

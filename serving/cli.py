@@ -15,9 +15,8 @@ from typing import Any
 import click
 import uvicorn
 
-from specdec.cli_options import model_options, spec_config, speculation_options
+from specdec.cli_options import lora_module, model_options, spec_config, speculation_options
 from specdec.engine_config import POOLING_TYPES, SCHEDULING_POLICIES
-from specdec.lora import LoRARequest
 from specdec.serving.reasoning import REASONING_PARSERS
 from specdec.serving.tool_parsers import TOOL_CALL_PARSERS
 
@@ -215,6 +214,13 @@ def _is_loopback(host: str) -> bool:
     help="Serve /v1/load_lora_adapter and /v1/unload_lora_adapter (also with vLLM's "
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True).",
 )
+@click.option(
+    "--lora-resolver-dir",
+    default=None,
+    envvar="VLLM_LORA_RESOLVER_CACHE_DIR",
+    help="With --allow-runtime-lora-updating: a request naming an unknown model loads the "
+    "adapter in DIR/<model> (vLLM's filesystem resolver; also VLLM_LORA_RESOLVER_CACHE_DIR).",
+)
 @click.option("--log-level", default="info", show_default=True)
 def serve(
     model: str | None,
@@ -266,6 +272,7 @@ def serve(
     max_cpu_loras: int | None,
     draft_lora: bool,
     allow_runtime_lora_updating: bool,
+    lora_resolver_dir: str | None,
     log_level: str,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
@@ -292,6 +299,7 @@ def serve(
             reasoning_parser=reasoning_parser,
             lora_modules=[lora_module(value, i + 1) for i, value in enumerate(lora_modules)],
             allow_runtime_lora_updating=allow_runtime_lora_updating,
+            lora_resolver_dir=lora_resolver_dir,
         )
         llm = LLM(
             model,
@@ -353,28 +361,6 @@ def _json_object(value: str | None) -> dict[str, Any] | None:
             f"must be a JSON object, got {value!r}", param_hint="--override-generation-config"
         )
     return parsed
-
-
-def lora_module(value: str, lora_id: int) -> LoRARequest:
-    """One ``--lora-modules`` value, ``name=path`` or a JSON object with ``name`` and ``path``
-    (vLLM's two forms), as the adapter with id ``lora_id``; a usage error that says why not."""
-    hint = "--lora-modules"
-    if value.lstrip().startswith("{"):
-        try:
-            fields = json.loads(value)
-            name, path = fields["name"], fields["path"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise click.BadParameter(
-                f"{value!r}: not JSON with name and path", param_hint=hint
-            ) from e
-    else:
-        name, sep, path = value.partition("=")
-        if not sep:
-            raise click.BadParameter(f"{value!r}: give name=path", param_hint=hint)
-    try:
-        return LoRARequest(name, lora_id, path)
-    except ValueError as e:
-        raise click.BadParameter(f"{value!r}: {e}", param_hint=hint) from e
 
 
 def read_chat_template(value: str | None) -> str | None:

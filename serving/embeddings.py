@@ -121,7 +121,7 @@ class EmbeddingResponse(BaseModel):
 @router.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     state = server_state(request)
-    check_model(state, body.model)
+    await check_model(state, body.model)
     if body.dimensions is not None:
         raise APIError(
             400,

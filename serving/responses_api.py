@@ -259,7 +259,7 @@ def _message(item: Any) -> Any:
 @router.post("/v1/responses")
 async def responses(body: ResponsesRequest, request: Request) -> Response:
     state = server_state(request)
-    check_model(state, body.model)
+    await check_model(state, body.model)
     check_stops(state, body)
     if body.use_beam_search:
         message = "use_beam_search is not supported by the Responses API: use chat completions"

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
 from specdec.llm import ChatOptions
-from specdec.serving.adapters import adapter_of, served_name
+from specdec.serving.adapters import adapter_of, resolve_adapter, served_name
 from specdec.serving.beams import BeamGeneration, check_beam_request
 from specdec.serving.bridge import GenerationRequest
 from specdec.serving.errors import APIError
@@ -91,7 +91,7 @@ async def models(request: Request) -> ModelList:
 async def model(model_id: str, request: Request) -> ModelCard:
     """The served model's card (OpenAI's ``models.retrieve``); 404 for any other name."""
     state = server_state(request)
-    check_model(state, model_id)
+    await check_model(state, model_id)
     return _card(state, model_id)
 
 
@@ -110,7 +110,7 @@ def _card(state: ServerState, name: str) -> ModelCard:
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     state = server_state(request)
-    check_model(state, body.model)
+    await check_model(state, body.model)
     check_stops(state, body)
     show_prompt_logprobs = check_prompt_logprobs(body)
     if body.requested_max_tokens == 0 and not body.echo:
@@ -146,7 +146,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     state = server_state(request)
-    check_model(state, body.model)
+    await check_model(state, body.model)
     check_stops(state, body)
     show_prompt_logprobs = check_prompt_logprobs(body)
     if body.use_beam_search:
@@ -174,9 +174,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     return await respond(request, generation, bool(body.stream), full, chunks)
 
 
-def check_model(state: ServerState, model: str | None) -> None:
-    """404 for a ``model`` that is neither the served model nor one of its LoRA adapters."""
-    if model is not None and model != state.model_name and model not in state.loras:
+async def check_model(state: ServerState, model: str | None) -> None:
+    """404 for a ``model`` that is neither the served model nor one of its LoRA adapters (nor
+    one the resolver finds: see adapters.py)."""
+    if model is None or model == state.model_name or model in state.loras:
+        return
+    if not await resolve_adapter(state, model):
         served = ", ".join(f"`{name}`" for name in (state.model_name, *state.loras))
         raise APIError(
             404,

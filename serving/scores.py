@@ -160,7 +160,7 @@ async def _scores(
     names: tuple[str, str],
 ) -> tuple[list[float], int] | None:
     """Each pair's cosine similarity and the prompt tokens that ran; None if the client left."""
-    check_model(state, body.model)
+    await check_model(state, body.model)
     check_priority_allowed(state, body.priority)
     try:
         pairs = score_pairs(len(firsts), len(seconds), names)
@@ -182,7 +182,7 @@ async def _scores(
 
 async def _score(body: ScoreRequest, request: Request) -> Response:
     state = server_state(request)
-    check_model(state, body.model)
+    await check_model(state, body.model)
     names, firsts, seconds = body.pair()
     result = await _scores(request, state, body, firsts, seconds, names)
     if result is None:

@@ -53,7 +53,7 @@ class DetokenizeResponse(BaseModel):
 async def tokenize_route(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     """A prompt's token ids, as the generation routes would feed them (vLLM's endpoint)."""
     state = server_state(request)
-    check_model(state, body.model)
+    await check_model(state, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt or messages", param="prompt")
     if body.messages is not None:
@@ -76,7 +76,7 @@ async def tokenize_route(body: TokenizeRequest, request: Request) -> TokenizeRes
 async def detokenize_route(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     """The text of token ids (vLLM's endpoint)."""
     state = server_state(request)
-    check_model(state, body.model)
+    await check_model(state, body.model)
     vocab_size = state.llm.engine.vocab_size
     if any(not 0 <= t < vocab_size for t in body.tokens):
         raise APIError(400, f"tokens must be token ids in [0, {vocab_size})", param="tokens")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import click
 
 from specdec.drafters.registry import DRAFTERS, SpecConfig
+from specdec.lora import LoRARequest
 from specdec.models.quant import QUANTIZATIONS
 
 
@@ -129,3 +131,25 @@ def spec_config(drafter: str, num_speculative_tokens: int, **options: Any) -> Sp
         return SpecConfig(drafter, num_speculative_tokens, **given)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+
+
+def lora_module(value: str, lora_id: int) -> LoRARequest:
+    """One ``--lora-modules`` value, ``name=path`` or a JSON object with ``name`` and ``path``
+    (vLLM's two forms), as the adapter with id ``lora_id``; a usage error that says why not."""
+    hint = "--lora-modules"
+    if value.lstrip().startswith("{"):
+        try:
+            fields = json.loads(value)
+            name, path = fields["name"], fields["path"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise click.BadParameter(
+                f"{value!r}: not JSON with name and path", param_hint=hint
+            ) from e
+    else:
+        name, sep, path = value.partition("=")
+        if not sep:
+            raise click.BadParameter(f"{value!r}: give name=path", param_hint=hint)
+    try:
+        return LoRARequest(name, lora_id, path)
+    except ValueError as e:
+        raise click.BadParameter(f"{value!r}: {e}", param_hint=hint) from e

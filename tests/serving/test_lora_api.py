@@ -219,3 +219,29 @@ def test_serve_passes_draft_lora_to_quantized_self(monkeypatch):
     assert calls["speculative"].options.draft_lora is True
     refused = CliRunner().invoke(cli.serve, ["--drafter", "prompt_lookup", "--draft-lora"])
     assert refused.exit_code == 2 and "has no option 'draft_lora'" in refused.output
+
+
+def test_the_resolver_serves_an_adapter_found_by_the_requested_name(make_server, offline, tmp_path):
+    root = tmp_path / "resolver"
+    found = save_adapter(root / "found", seed=7)
+    (root / "broken").mkdir()
+    (root / "broken" / "adapter_config.json").write_text('{"peft_type": "PROMPT_TUNING"}')
+    config = ServerConfig(
+        MODEL, allow_runtime_lora_updating=True, lora_resolver_dir=str(root)
+    )  # fmt: skip
+    served = make_server(config, enable_lora=True, max_loras=2)
+    reply = served.post("/v1/completions", json={"model": "found", "prompt": PROMPT, **GREEDY})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["text"] == expected(offline, LoRARequest("found", 9, found))
+    assert reply.json()["model"] == "found"
+    models = httpx.get(served.url + "/v1/models").json()["data"]
+    assert [m["id"] for m in models] == [MODEL, "found"]
+    for name in ("missing", "..", "found/../found", "../resolver/found"):  # nothing outside root
+        reply = served.post("/v1/completions", json={"model": name, "prompt": PROMPT})
+        assert reply.status_code == 404, name
+    reply = served.post("/v1/completions", json={"model": "broken", "prompt": PROMPT})
+    assert reply.status_code == 400 and "peft_type 'PROMPT_TUNING' is not LORA" in reply.text
+    with pytest.raises(ValueError, match="lora_resolver_dir needs allow_runtime_lora_updating"):
+        ServerConfig(lora_resolver_dir=str(root))
+    refused = CliRunner().invoke(cli.serve, [], env={"VLLM_LORA_RESOLVER_CACHE_DIR": str(root)})
+    assert refused.exit_code != 0 and "needs allow_runtime_lora_updating" in refused.output
