@@ -2,7 +2,7 @@
 
 The model emits tokens, each a few bytes that may split a character, so a pattern becomes an
 automaton over bytes: parsed (:class:`_Parser`, Python's ``re`` syntax in part), a Thompson NFA
-whose character sets are spelled as UTF-8 byte ranges (:func:`utf8_ranges`, after RE2's
+whose character sets are spelled as UTF-8 byte ranges (:func:`~specdec.structured.utf8.utf8_ranges`, after RE2's
 construction), then a dense DFA by subset construction (:func:`compile_regex`). Outlines (Willard
 and Louf 2023) and vLLM index a vocabulary against such an automaton, as
 :mod:`specdec.structured.guide` does.
@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+
+from specdec.structured.utf8 import utf8_ranges
 
 MAX_CODEPOINT = 0x10FFFF
 MAX_STATES = 10_000  # DFA states before a pattern is refused (about 3 s of compiling)
@@ -216,43 +218,6 @@ class _Parser:
                 item = [(item[0][0], high[0][0])]
             ranges += item
         return complement(ranges) if negate else normalize(ranges)
-
-
-# -- UTF-8 byte ranges
-
-
-def utf8_ranges(lo: int, hi: int) -> list[list[tuple[int, int]]]:
-    """The code points ``lo..hi`` (surrogates excluded) as sequences of byte ranges: a string
-    of bytes is one of these code points' UTF-8 encodings iff it matches one sequence."""
-    out: list[list[tuple[int, int]]] = []
-    stack = [(lo, hi)]
-    while stack:
-        lo, hi = stack.pop()
-        if lo > hi:
-            continue
-        if lo <= 0xDFFF and hi >= 0xD800:  # surrogates have no UTF-8 encoding
-            stack += [(lo, 0xD7FF), (0xE000, hi)]
-            continue
-        split = next((b for b in (0x7F, 0x7FF, 0xFFFF) if lo <= b < hi), None)
-        if split is not None:  # one encoded length per range
-            stack += [(lo, split), (split + 1, hi)]
-            continue
-        if hi <= 0x7F:
-            out.append([(lo, hi)])
-            continue
-        for i in (1, 2, 3):  # split until only the leading bytes differ in full spans
-            m = (1 << (6 * i)) - 1
-            if lo & ~m != hi & ~m:
-                if lo & m:
-                    stack += [(lo, lo | m), ((lo | m) + 1, hi)]
-                    break
-                if hi & m != m:
-                    stack += [(lo, (hi & ~m) - 1), (hi & ~m, hi)]
-                    break
-        else:
-            a, b = chr(lo).encode(), chr(hi).encode()
-            out.append(list(zip(a, b)))
-    return out
 
 
 # -- Thompson NFA over bytes, then the DFA
