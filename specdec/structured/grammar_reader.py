@@ -140,7 +140,8 @@ class GrammarReader:
         for name in names:
             key = COMMON_PREFIX + name
             if key not in common:
-                known = sorted(n.removeprefix(COMMON_PREFIX) for n in common)
+                known = [n.removeprefix(COMMON_PREFIX) for n in common]
+                known = sorted(n for n in known if not n.startswith("_"))  # _EXP: a part
                 raise self.error(f"common.{name} is not one of {', '.join(known)}")
             for used in {key, *closure(common, key)}:  # under their own names, as Lark does
                 self.rules[used] = common[used]
