@@ -11,6 +11,7 @@ import pytest
 
 from specdec import SamplingParams, SpecConfig, StructuredOutputsParams
 from specdec.structured import grammar as grammar_module
+from specdec.structured import guide as guide_module
 from specdec.structured import regex as regex_module
 from specdec.structured.grammar import MAX_DEPTH, grammar_regex
 from specdec.structured.regex import DFA, TooLarge, compile_regex
@@ -134,7 +135,7 @@ def test_a_grammar_too_large_for_the_dfa_at_full_depth_is_followed_less_deep(mak
     same."""
     guides = make_llm().engine.guides
     dfa = guides.for_params(SamplingParams(grammar=JSON_EBNF)).dfa
-    assert guides._depths[JSON_EBNF] == MAX_DEPTH - 1
+    assert guides._grammars[JSON_EBNF] == MAX_DEPTH - 1
     assert dfa.fullmatch('{"a": [1, -20, {"b": true}],' + " " * 30 + '"c\\u00e9": "x\\n"}')
     assert dfa.fullmatch('{"a": {"b": [1]}}') and dfa.fullmatch('{"a": {"b": {"c": 1}}}')
     assert not dfa.fullmatch('{"a": {"b": {"c": [1]}}}')  # a value open a fourth time
@@ -144,12 +145,19 @@ def test_a_grammar_too_large_for_the_dfa_at_full_depth_is_followed_less_deep(mak
 
 
 def test_a_grammar_too_large_at_the_least_depth_is_refused(make_llm, monkeypatch):
+    """Refused once the bound is at its least, and the refusal kept: the next request with the
+    grammar is refused without compiling it again (seconds each time)."""
     monkeypatch.setattr(regex_module, "MAX_STATES", 40)
+    compiles = []
+    monkeypatch.setattr(guide_module, "compile_regex", lambda p: compiles.append(p) or (
+        regex_module.compile_regex(p)))  # fmt: skip
     llm = make_llm()
     with pytest.raises(ValueError, match="too large to follow even with its recursion"):
         llm.engine.guides.for_params(SamplingParams(grammar=JSON_EBNF))
+    assert len(compiles) == MAX_DEPTH - 1  # depths 4, 3 and 2
     with pytest.raises(ValueError, match="too large to follow"):
         llm.generate([[1, 2]], SamplingParams(grammar=JSON_EBNF))
+    assert len(compiles) == MAX_DEPTH - 1
 
 
 @pytest.mark.parametrize(
@@ -193,7 +201,7 @@ def test_a_grammar_too_large_to_expand_is_followed_less_deep_or_refused(make_llm
             grammar_regex(tree)
         guides = make_llm().engine.guides
         dfa = guides.for_params(SamplingParams(grammar=tree)).dfa
-        assert guides._depths[tree] == MAX_DEPTH - 1 and dfa.fullmatch("(x(xxx)x)")
+        assert guides._grammars[tree] == MAX_DEPTH - 1 and dfa.fullmatch("(x(xxx)x)")
         assert not dfa.fullmatch("(x(x(xxx)x)x)")
         monkeypatch.setattr(grammar_module, "MAX_PATTERN", 20)
         grammar_module.grammar_regex.cache_clear()

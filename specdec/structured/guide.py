@@ -194,7 +194,8 @@ class GuideFactory:
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, eos_token_ids
         self._vocabulary: Vocabulary | None = None
         self._cache: OrderedDict[str, RegexGuide] = OrderedDict()
-        self._depths: dict[str, int] = {}  # a grammar's recursion bound (see _grammar)
+        # a grammar's recursion bound, or why it was refused (see _grammar)
+        self._grammars: dict[str, int | str] = {}
         self._lock = threading.Lock()
 
     def for_params(self, params: Any) -> Guide | None:
@@ -219,24 +220,35 @@ class GuideFactory:
 
     def _grammar(self, text: str, after: tuple[str | None, str]) -> RegexGuide:
         """The grammar's guide at the deepest recursion bound, from :data:`MAX_DEPTH` down to
-        :data:`MIN_DEPTH`, whose DFA is within the limits (the bound found is kept)."""
-        depth = self._depths.get(text, MAX_DEPTH)
+        :data:`MIN_DEPTH`, whose DFA is within the limits; the bound found is kept, and so is a
+        refusal (finding either takes seconds)."""
+        with self._lock:
+            known = self._grammars.get(text, MAX_DEPTH)
+        if isinstance(known, str):
+            raise ValueError(known)
+        depth = known
         while True:
             try:
                 guide = self._regex(grammar_regex(text, depth), after)
                 break
             except TooLarge as e:
-                if depth == MIN_DEPTH:
-                    raise ValueError(
-                        f"grammar: too large to follow even with its recursion expanded "
-                        f"{MIN_DEPTH} deep: {str(e).removeprefix('grammar: ')}"
-                    ) from None
-                depth -= 1
-        with self._lock:
-            self._depths[text] = depth
-            if len(self._depths) > GUIDE_CACHE:
-                del self._depths[next(iter(self._depths))]
+                if depth > MIN_DEPTH:
+                    depth -= 1
+                    continue
+                refusal = (
+                    f"grammar: too large to follow even with its recursion expanded {MIN_DEPTH} "
+                    f"deep: {str(e).removeprefix('grammar: ')}"
+                )
+                self._keep(text, refusal)
+                raise ValueError(refusal) from None
+        self._keep(text, depth)
         return guide
+
+    def _keep(self, text: str, outcome: int | str) -> None:
+        with self._lock:
+            self._grammars[text] = outcome
+            if len(self._grammars) > GUIDE_CACHE:
+                del self._grammars[next(iter(self._grammars))]
 
     def _regex(self, pattern: str, after: tuple[str | None, str] = (None, "")) -> RegexGuide:
         """The pattern's guide (applied after the text ``after[0]``, if given, entered through
