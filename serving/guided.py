@@ -47,11 +47,7 @@ class GuidedFields(StrictModel):
     @field_validator("structured_outputs")
     @classmethod
     def _known_kinds(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        kinds = {
-            k: v
-            for k, v in (value or {}).items()
-            if v is not None and v is not False and k not in JSON_OPTIONS
-        }
+        kinds = structured_kinds(value)
         for key in kinds:
             if key not in STRUCTURED_KINDS:
                 raise ValueError(
@@ -91,10 +87,12 @@ class GuidedFields(StrictModel):
     @field_validator("guided_regex", "guided_json", "guided_grammar", "structured_outputs")
     @classmethod
     def _one_guide(cls, value: Any, info: ValidationInfo) -> Any:
-        given = guides_given(info)  # the fields before this one
-        if given and value is not None and (info.field_name != "structured_outputs" or any(
-            v is not None and v is not False for v in value.values()
-        )):  # fmt: skip
+        given = guides_given(info.data)  # the fields before this one
+        if (
+            given
+            and value is not None
+            and (info.field_name != "structured_outputs" or structured_kinds(value))
+        ):
             raise ValueError(f"give one of {given[0]} and {info.field_name}, not both")
         return value
 
@@ -108,7 +106,7 @@ class GuidedFields(StrictModel):
             spec = value.get("json_schema") if value else None
             if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
                 raise ValueError('json_schema needs {"name": ..., "schema": {...}}')
-        given = guides_given(info)
+        given = guides_given(info.data)
         if kind != "text" and given:
             raise ValueError(f"give one of {given[0]} and response_format, not both")
         return value
@@ -156,13 +154,7 @@ class GuidedFields(StrictModel):
 
     def guided(self) -> bool:
         """Whether any field gives this request a guide."""
-        structured = self.structured_outputs or {}
-        return (
-            any(getattr(self, n) is not None for n in self.GUIDED)
-            or any(v is not None and v is not False for k, v in structured.items()
-                   if k not in JSON_OPTIONS)
-            or (self.response_format or {}).get("type", "text") != "text"
-        )  # fmt: skip
+        return bool(guides_given(self.__dict__))
 
     def param_of(self, name: str) -> str:
         """The request field to name in an error about SamplingParams' field ``name``: the
@@ -185,15 +177,23 @@ def format_guide(kind: str, schema: dict[str, Any] | None) -> dict[str, Any]:
     return {"json_schema": schema} if kind == "json_schema" else {}
 
 
-def guides_given(info: ValidationInfo) -> list[str]:
-    """The fields of a request validated so far that give a guide."""
-    names = [n for n in GuidedFields.GUIDED if info.data.get(n) is not None]
-    structured = info.data.get("structured_outputs")
-    if structured and any(v is not None and v is not False for v in structured.values()):
+def guides_given(fields: dict[str, Any]) -> list[str]:
+    """The fields among a request's ``fields`` (those validated so far) that give a guide."""
+    names = [n for n in GuidedFields.GUIDED if fields.get(n) is not None]
+    if structured_kinds(fields.get("structured_outputs")):
         names.append("structured_outputs")
-    if (info.data.get("response_format") or {}).get("type", "text") != "text":
+    if (fields.get("response_format") or {}).get("type", "text") != "text":
         names.append("response_format")
     return names
+
+
+def structured_kinds(structured: dict[str, Any] | None) -> dict[str, Any]:
+    """The guide kinds ``structured_outputs`` gives (set, and not an option of a JSON guide)."""
+    return {
+        k: v
+        for k, v in (structured or {}).items()
+        if v is not None and v is not False and k not in JSON_OPTIONS
+    }
 
 
 def _check_choice(choice: Any, name: str) -> None:

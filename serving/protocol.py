@@ -324,7 +324,7 @@ class ChatCompletionRequest(GenerationFields, ChatTemplateFields, ToolChoiceRule
     def _tool_choice(cls, value: Any, info: ValidationInfo) -> Any:
         names = [t.function.name for t in info.data.get("tools") or []]
         named = value.function.name if isinstance(value, NamedToolChoice) else None
-        check_tool_choice(value, names, named, guides_given(info))
+        check_tool_choice(value, names, named, guides_given(info.data))
         if names and value != "none" and info.data.get("echo"):
             raise ValueError("cannot be combined with echo: a reply of calls starts afresh")
         return value  # "auto" with tools needs the server's parser: see routes.auto_tools

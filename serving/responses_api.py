@@ -146,7 +146,7 @@ class ResponsesRequest(GenerationFields, ChatTemplateFields, ToolChoiceRules):
         kind = "text" if format is None else format.type
         if format is not None and kind == "json_schema" and format.schema_ is None:
             raise ValueError('format json_schema needs {"name": ..., "schema": {...}}')
-        given = guides_given(info)
+        given = guides_given(info.data)
         if kind != "text" and given:
             raise ValueError(f"give one of {given[0]} and text.format, not both")
         return value
@@ -157,7 +157,7 @@ class ResponsesRequest(GenerationFields, ChatTemplateFields, ToolChoiceRules):
         names = [t.name for t in info.data.get("tools") or []]
         named = value.name if isinstance(value, NamedFunction) else None
         text = info.data.get("text")
-        given = [*guides_given(info), *(["text.format"] if _format(text) else [])]
+        given = [*guides_given(info.data), *(["text.format"] if _format(text) else [])]
         check_tool_choice(value, names, named, given)
         return value
 

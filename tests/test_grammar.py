@@ -160,6 +160,14 @@ def test_a_grammar_too_large_at_the_least_depth_is_refused(make_llm, monkeypatch
     assert len(compiles) == MAX_DEPTH - 1
 
 
+def test_an_engine_keeps_a_bounded_number_of_grammar_bounds(make_llm, monkeypatch):
+    monkeypatch.setattr(guide_module, "GUIDE_CACHE", 3)
+    guides = make_llm().engine.guides
+    for i in range(6):
+        guides.for_params(SamplingParams(grammar=f'root ::= "a{i}"'))
+    assert list(guides._grammars) == [f'root ::= "a{i}"' for i in (3, 4, 5)]
+
+
 @pytest.mark.parametrize(
     "grammar, message",
     [

@@ -82,5 +82,10 @@ def test_cli_generates_through_an_adapter(adapter, tmp_path):
     plain = llm.chat([{"role": "user", "content": question}], GREEDY)[0]
     shown = result.output.split("\n")[1]
     assert expected.text.startswith(shown) and not plain.text.startswith(shown)
+    beams = ["generate", "--raw", "--beam-width", "2", "--max-tokens", "8", question]
+    through = CliRunner().invoke(main, ["generate", "--lora", lora.path, *beams[1:]])
+    assert through.exit_code == 0, through.output
+    base = CliRunner().invoke(main, beams)
+    assert "[1]" in through.stdout and through.stdout != base.stdout  # the adapter's beams
     result = CliRunner().invoke(main, ["generate", "--lora", str(tmp_path), "hi"])
     assert result.exit_code != 0 and "adapter_config.json not found" in result.output

@@ -371,7 +371,8 @@ def test_guided_regex_json_and_grammar_as_vllm_and_openai_take_them(served, offl
                                 {"structured_outputs": {"grammar": GRAMMAR}}]),
         ({"structured_outputs": StructuredOutputsParams(json=schema, disable_any_whitespace=True)},
          [{"structured_outputs": {"json": schema, "disable_any_whitespace": True}},
-          {"guided_json": schema, "guided_whitespace_pattern": ""}]),
+          {"guided_json": schema, "guided_whitespace_pattern": ""},
+          {"guided_json": schema, "structured_outputs": {"disable_any_whitespace": True}}]),
     ]  # fmt: skip
     for guide, bodies in cases:
         params = SamplingParams(temperature=0, max_tokens=24, **guide)
