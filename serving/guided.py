@@ -1,6 +1,6 @@
 """The request fields that give a guided request its guide (vLLM's ``guided_*`` and
 ``structured_outputs``, OpenAI's ``response_format``), checked one per request and turned into
-the ``choice``, ``regex``, ``json_schema`` or ``grammar`` of
+the ``choice``, ``regex``, ``json_schema``, ``grammar`` or ``structural_tag`` of
 :class:`~specdec.config.SamplingParams`."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from pydantic import ValidationInfo, field_validator
 from specdec.serving.strict import StrictModel
 from specdec.structured.params import GUIDES, StructuredOutputsParams
 
-STRUCTURED_KINDS = ("choice", "regex", "json", "grammar", "json_object")  # structured_outputs
+# structured_outputs' kinds
+STRUCTURED_KINDS = ("choice", "regex", "json", "grammar", "structural_tag", "json_object")
 # structured_outputs' options of a JSON guide (see StructuredOutputsParams)
 JSON_OPTIONS = (
     "whitespace_pattern", "disable_any_whitespace", "disable_additional_properties",
@@ -26,7 +27,8 @@ class GuidedFields(StrictModel):
     # extra (vLLM's): the output is one of these strings (guided_choice), matches a regular
     # expression (guided_regex), is JSON a schema accepts (guided_json) or a string a grammar
     # derives (guided_grammar: EBNF or Lark); or vLLM's newer structured_outputs: {"choice":
-    # [...]}, {"regex": ...}, {"json": ...}, {"grammar": ...}, {"json_object": true}
+    # [...]}, {"regex": ...}, {"json": ...}, {"grammar": ...}, {"json_object": true},
+    # {"structural_tag": ...} (its JSON text: free text with tagged structures)
     guided_choice: list[str] | None = None
     guided_regex: str | None = None
     guided_json: Any = None  # a JSON Schema: an object, or its text
@@ -36,8 +38,9 @@ class GuidedFields(StrictModel):
     # space), as structured_outputs' whitespace_pattern
     guided_whitespace_pattern: str | None = None
     # OpenAI's (chat; vLLM's completions too): {"type": "text"} (the default), {"type":
-    # "json_object"} (any JSON object), or {"type": "json_schema", "json_schema": {"name": ...,
-    # "schema": {...}}}
+    # "json_object"} (any JSON object), {"type": "json_schema", "json_schema": {"name": ...,
+    # "schema": {...}}}, or vLLM's {"type": "structural_tag", "format": {...}} (or "structures"
+    # and "triggers": see specdec/structured/structural_tag.py)
     response_format: dict[str, Any] | None = None
 
     GUIDED: ClassVar[tuple[str, ...]] = (
@@ -60,6 +63,8 @@ class GuidedFields(StrictModel):
         for kind in ("regex", "grammar"):
             if kind in kinds and not isinstance(kinds[kind], str):
                 raise ValueError(f"{kind} must be a string")
+        if "structural_tag" in kinds and not isinstance(kinds["structural_tag"], (dict, str)):
+            raise ValueError("structural_tag must be its JSON text (or an object)")
         if "json" in kinds and not isinstance(kinds["json"], (dict, str)):
             raise ValueError("json must be a JSON Schema (an object, or its text)")
         if "json_object" in kinds and kinds["json_object"] is not True:
@@ -100,8 +105,10 @@ class GuidedFields(StrictModel):
     @classmethod
     def _response_format(cls, value: dict[str, Any] | None, info: ValidationInfo) -> Any:
         kind = (value or {}).get("type", "text")
-        if kind not in ("text", "json_object", "json_schema"):
-            raise ValueError(f"type must be text, json_object or json_schema, got {kind!r}")
+        if kind not in ("text", "json_object", "json_schema", "structural_tag"):
+            raise ValueError(
+                f"type must be text, json_object, json_schema or structural_tag, got {kind!r}"
+            )
         if kind == "json_schema":
             spec = value.get("json_schema") if value else None
             if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
@@ -113,8 +120,11 @@ class GuidedFields(StrictModel):
 
     def guide(self) -> dict[str, Any]:
         """The guide as SamplingParams takes it: ``{"choice" | "regex" | "json_schema" |
-        "grammar": ...}`` or nothing, from whichever field gave it (validated: one at most)."""
+        "grammar" | "structural_tag": ...}`` or nothing, from whichever field gave it
+        (validated: one at most)."""
         kind = (self.response_format or {}).get("type", "text")
+        if kind == "structural_tag":
+            return {"structural_tag": self.response_format}
         if kind != "text":
             spec = (self.response_format or {}).get("json_schema") or {}
             return self._with_json_options(format_guide(kind, spec.get("schema", {})))
@@ -127,8 +137,9 @@ class GuidedFields(StrictModel):
             ("guided_regex", "regex", "regex"),
             ("guided_json", "json", "json_schema"),
             ("guided_grammar", "grammar", "grammar"),
+            (None, "structural_tag", "structural_tag"),
         ):
-            if getattr(self, field) is not None:
+            if field is not None and getattr(self, field) is not None:
                 return {key: getattr(self, field)}
             if kind in structured:
                 return {key: structured[kind]}
@@ -159,8 +170,9 @@ class GuidedFields(StrictModel):
     def param_of(self, name: str) -> str:
         """The request field to name in an error about SamplingParams' field ``name``: the
         field that gave the guide for the guide fields (:data:`GUIDES`)."""
-        name = name.rstrip(":")
-        return self.guide_field() if name in (*GUIDES, "structured_outputs") else name
+        name = name.rstrip(":")  # "structural_tag.format...": the field is structural_tag
+        guide = name.split(".")[0] in (*GUIDES, "structured_outputs")
+        return self.guide_field() if guide else name
 
     def guide_field(self) -> str:
         if (self.response_format or {}).get("type", "text") != "text":

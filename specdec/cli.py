@@ -172,8 +172,8 @@ def beam_search(
     if sampled or any(getattr(params, name) for name in GUIDES):
         raise click.ClickException(
             "--beam-width ranks beams by the model's own logprobs: leave --temperature, the "
-            "penalties, --logprobs and the guides (--choice, --regex, --json-schema, --grammar) "
-            "unset"
+            "penalties, --logprobs and the guides (--choice, --regex, --json-schema, --grammar, "
+            "--structural-tag) unset"
         )
     texts = [p if raw else llm.render_chat([{"role": "user", "content": p}]) for p in prompts]
     start = time.perf_counter()

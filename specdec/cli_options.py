@@ -13,8 +13,14 @@ from specdec.models.quant import QUANTIZATIONS
 
 
 def guide_options(fn: Any) -> Any:
-    """``--choice``, ``--regex``, ``--json-schema`` and ``--grammar`` (of ``generate``)."""
+    """``--choice``, ``--regex``, ``--json-schema``, ``--grammar`` and ``--structural-tag`` (of
+    ``generate``)."""
     for name, help in (
+        (
+            "--structural-tag",
+            "free text with tagged structures in it, as this structural tag (vLLM's JSON, or "
+            "@FILE) says.",
+        ),
         ("--grammar", "a string this EBNF or Lark grammar derives (its text, or @FILE)."),
         ("--json-schema", "JSON that this JSON Schema accepts (its text, or @FILE)."),
         ("--regex", "match this regular expression."),
@@ -26,9 +32,9 @@ def guide_options(fn: Any) -> Any:
 
 def read_guides(sampling: dict[str, Any]) -> None:
     """The guide options as SamplingParams takes them: choices as a list (None if none), a
-    schema or grammar given as @FILE read from the file."""
+    schema, grammar or structural tag given as @FILE read from the file."""
     sampling["choice"] = list(sampling["choice"]) or None
-    for key in ("json_schema", "grammar"):
+    for key in ("json_schema", "grammar", "structural_tag"):
         if (sampling[key] or "").startswith("@"):
             with open(sampling[key][1:], encoding="utf-8") as f:
                 sampling[key] = f.read()

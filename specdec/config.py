@@ -37,8 +37,7 @@ class SamplingParams:
     eta_cutoff: float = 0.0  # drop below min(eta, sqrt(eta) e^-entropy) (Hewitt et al. 2022)
     seed: int | None = None  # per-request generator seed: reproducible whatever else runs
     stop: list[str] = field(default_factory=list)  # stop strings, excluded from the output
-    # transformers' stop strings: the output ends with the token that completes one, in the text
-    # of the prompt and the output, and keeps it (text included); not with `stop`
+    # transformers' stop strings: the output ends with (and keeps) the token completing one
     stop_strings: list[str] | None = None
     stop_token_ids: list[int] = field(default_factory=list)  # extra ids that end generation
     ignore_eos: bool = False  # keep generating past the end-of-sequence token
@@ -49,8 +48,8 @@ class SamplingParams:
     presence_penalty: float = 0.0  # in [-2, 2]; 0 disables
     frequency_penalty: float = 0.0  # in [-2, 2]; 0 disables
     repetition_penalty: float = 1.0  # > 0; 1 disables, above 1 discourages repeats
-    # added to the raw logits of these token ids before anything else, as OpenAI's logit_bias
-    # (values in [-100, 100]: -100 bans a token, 100 all but forces it)
+    # added to these token ids' raw logits before anything else (OpenAI's logit_bias; values in
+    # [-100, 100]: -100 bans a token, 100 all but forces it)
     logit_bias: dict[int, float] | None = None
     num_speculative_tokens: int | None = None  # cap on drafts per step; 0 turns speculation off
     return_logits: bool = False  # hand back each generated token's raw logits (RequestOutput)
@@ -82,7 +81,10 @@ class SamplingParams:
     # the output must be a string this grammar derives, then end (vLLM's guided grammar: EBNF
     # "root ::= ..." or Lark "start: ..."; recursion bounded: specdec/structured/grammar.py)
     grammar: str | None = None
-    # vLLM's form of the four above (see StructuredOutputsParams)
+    # free text with tagged structures (tool calls) in it: vLLM's structural tag, its JSON text
+    # or the object (the formats: specdec/structured/structural_tag.py)
+    structural_tag: str | dict[str, Any] | None = None
+    # vLLM's form of the five above (see StructuredOutputsParams)
     structured_outputs: StructuredOutputsParams | None = None
     guided_decoding: StructuredOutputsParams | None = None  # its name before vLLM 0.11
     # the guide above applies after this text first ends the output (a reasoning model's
@@ -91,8 +93,7 @@ class SamplingParams:
     # with guide_after: the free part must open with this text (a reasoning model's "<think>");
     # an output that does not open with it is guided from its first token
     guide_after_opening: str | None = None
-    # completions per prompt in LLM.generate (vLLM's n); completion i of a seeded request uses
-    # seed + i, as the server's choices do
+    # completions per prompt in LLM.generate (vLLM's n); completion i uses seed + i, if seeded
     n: int = 1
     skip_special_tokens: bool = True  # leave special tokens (end of turn, EOS) out of the text
     # decode the output into text (vLLM's); False: tokens only, the text stays empty (no stop
@@ -115,9 +116,8 @@ class SamplingParams:
     # sequence's last token where the tokens before it end the context (one token: everywhere),
     # before the penalties (specdec.token_rules.sequence_bias_row)
     sequence_bias: dict[tuple[int, ...], float] | None = None
-    # transformers' forcing rules: the row allows one token (logit 0, every other -inf) first
-    # where the prompt is one token (forced_bos_token_id), and last, at max_tokens
-    # (forced_eos_token_id: an id or a list of ids)
+    # transformers' forcing rules: one token allowed (logit 0) first where the prompt is one
+    # token (forced_bos_token_id), and last, at max_tokens (forced_eos_token_id: id or ids)
     forced_bos_token_id: int | None = None
     forced_eos_token_id: int | list[int] | None = None
     # (start, factor): past `start` generated tokens, an end-of-sequence id's logit x gains
@@ -248,7 +248,7 @@ class SamplingParams:
             f"num_speculative_tokens must be a non-negative integer, got "
             f"{self.num_speculative_tokens!r}",
         )
-        check_guides(self)  # choice, regex, json_schema, grammar and guide_after
+        check_guides(self)  # the guides (GUIDES) and guide_after
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(

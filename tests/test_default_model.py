@@ -216,6 +216,29 @@ def test_cli_generate_follows_a_grammar_from_a_file(tmp_path):
     assert result.exit_code != 0 and "rule 'nothing' is used but not defined" in result.output
 
 
+def test_cli_generate_writes_a_tool_call_a_structural_tag_asks_for(tmp_path):
+    """A tool call as Llama's custom format writes it: the structural tag opens it at once
+    (at_least_one), stops after it, and its arguments follow the function's schema."""
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tag = {"begin": "<function=get_weather>", "end": "</function>",
+           "content": {"type": "json_schema", "json_schema": city}}  # fmt: skip
+    spec = {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": ["<function="], "tags": [tag],
+        "at_least_one": True, "stop_after_first": True}}  # fmt: skip
+    (tmp_path / "tag.json").write_text(json.dumps(spec))
+    args = ["generate", "--structural-tag", f"@{tmp_path / 'tag.json'}", "--max-tokens", "40"]
+    result = CliRunner().invoke(main, [*args, "What is the weather in Paris?"])
+    assert result.exit_code == 0, result.output
+    text = result.stdout.split("\n")[1]
+    assert text.startswith("<function=get_weather>") and text.endswith("</function>"), text
+    arguments = json.loads(text.removeprefix("<function=get_weather>").removesuffix("</function>"))
+    assert isinstance(arguments["city"], str), text
+    result = CliRunner().invoke(main, ["generate", "--structural-tag", '{"format": {}}', "hi"])
+    assert result.exit_code != 0 and 'structural_tag.format: must be an object with a "type"' in (
+        result.output
+    )
+
+
 def test_cli_reports_bad_input_cleanly(tmp_path):
     result = CliRunner().invoke(main, ["generate", "--model", str(tmp_path / "nope"), "hi"])
     assert result.exit_code != 0 and "Error:" in result.output and "nope" in result.output

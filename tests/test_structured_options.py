@@ -43,7 +43,8 @@ def test_whitespace_options_set_what_may_come_between_json_tokens():
     [
         ({"regex": "a+", "disable_any_whitespace": True}, "apply to json and json_object only"),
         ({"json": SCHEMA, "whitespace_pattern": "(?=x)"}, "lookarounds"),
-        ({"json": SCHEMA, "structural_tag": "{}"}, "structural_tag is not supported"),
+        ({"json": SCHEMA, "structural_tag": "{}"}, "exactly one kind"),
+        ({"structural_tag": "{}"}, 'structural_tag: needs "format"'),
     ],
 )
 def test_bad_options_are_refused(options, message):

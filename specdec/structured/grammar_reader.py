@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
-from specdec.structured.regex import MAX_CODEPOINT, Ranges, check_regex, complement, normalize
+from specdec.structured.regex import MAX_CODEPOINT, Ranges, complement, normalize, parse_regex
 
 ANY: Ranges = [(0, MAX_CODEPOINT)]
 ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "f": "\f", "v": "\v", "0": "\0", "b": "\b"}
@@ -270,7 +270,7 @@ class GrammarReader:
         if match[2]:
             raise self.error(f"/{match[1]}/{match[2]}: regexp flags are not supported")
         try:
-            check_regex(pattern)
+            parse_regex(pattern)
         except ValueError as e:
             raise self.error(f"/{match[1]}/: {e}") from None
         return ("re", pattern)

@@ -15,9 +15,11 @@ built lazily and bounded).
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -27,7 +29,8 @@ from specdec.structured.after import after_text
 from specdec.structured.grammar import MAX_DEPTH, MIN_DEPTH, grammar_regex
 from specdec.structured.json_schema import schema_regex
 from specdec.structured.params import GUIDES
-from specdec.structured.regex import DEAD, DFA, TooLarge, compile_regex
+from specdec.structured.regex import DEAD, DFA, TooLarge, compile_regex, compile_tree
+from specdec.structured.structural_tag import structural_tag_tree
 
 END = -1  # a choice trie's key for "a whole choice ends here"
 GUIDE_CACHE = 32  # compiled patterns an engine keeps
@@ -215,13 +218,33 @@ class GuideFactory:
         if params.regex is not None:
             return self._regex(params.regex, after)
         if params.grammar is not None:
-            return self._grammar(params.grammar, after)
+            text = params.grammar
+            grammar = lambda depth: self._regex(grammar_regex(text, depth), after)  # noqa: E731
+            return self._bounded("grammar", text, grammar)
+        if params.structural_tag is not None:
+            return self._structural_tag(params.structural_tag, after)
         return self._regex(schema_regex(params.json_schema), after)
 
-    def _grammar(self, text: str, after: tuple[str | None, str]) -> RegexGuide:
-        """The grammar's guide at the deepest recursion bound, from :data:`MAX_DEPTH` down to
-        :data:`MIN_DEPTH`, whose DFA is within the limits; the bound found is kept, and so is a
-        refusal (finding either takes seconds)."""
+    def _structural_tag(self, spec: str | dict, after: tuple[str | None, str]) -> RegexGuide:
+        """A structural tag's guide (:mod:`specdec.structured.structural_tag`); the recursion of
+        a grammar in it bounded as a grammar's is (:meth:`_bounded`)."""
+        key = f"structural_tag\0{spec if isinstance(spec, str) else json.dumps(spec)}"
+
+        def guide(depth: int) -> RegexGuide:
+            tree, bounded = structural_tag_tree(spec, depth)
+            compile = lambda: compile_tree(tree, "structural_tag")  # noqa: E731
+            try:
+                return self._guide(f"{key}\0{depth}", compile, after)
+            except TooLarge as e:  # only a grammar's smaller bound may make it smaller
+                raise (e if bounded else ValueError(f"structural_tag: too large: {e}")) from None
+
+        return self._bounded("structural_tag", key, guide)
+
+    def _bounded(self, name: str, text: str, guide: Callable[[int], RegexGuide]) -> RegexGuide:
+        """``guide(depth)`` at the deepest recursion bound, from :data:`MAX_DEPTH` down to
+        :data:`MIN_DEPTH`, whose DFA is within the limits (for a grammar, or a structural tag
+        holding one, ``text``); the bound found is kept, and so is a refusal (finding either
+        takes seconds)."""
         with self._lock:
             known = self._grammars.get(text, MAX_DEPTH)
         if isinstance(known, str):
@@ -229,20 +252,20 @@ class GuideFactory:
         depth = known
         while True:
             try:
-                guide = self._regex(grammar_regex(text, depth), after)
+                found = guide(depth)
                 break
             except TooLarge as e:
                 if depth > MIN_DEPTH:
                     depth -= 1
                     continue
                 refusal = (
-                    f"grammar: too large to follow even with its recursion expanded {MIN_DEPTH} "
-                    f"deep: {str(e).removeprefix('grammar: ')}"
+                    f"{name}: too large to follow even with its recursion expanded {MIN_DEPTH} "
+                    f"deep: {str(e).removeprefix(f'{name}: ')}"
                 )
                 self._keep(text, refusal)
                 raise ValueError(refusal) from None
         self._keep(text, depth)
-        return guide
+        return found
 
     def _keep(self, text: str, outcome: int | str) -> None:
         with self._lock:
@@ -251,12 +274,17 @@ class GuideFactory:
                 del self._grammars[next(iter(self._grammars))]
 
     def _regex(self, pattern: str, after: tuple[str | None, str] = (None, "")) -> RegexGuide:
-        """The pattern's guide (applied after the text ``after[0]``, if given, entered through
-        the opening ``after[1]``, if given: see :mod:`specdec.structured.after`), compiled once
-        (the server compiles it on a worker thread before the engine's thread asks for it: the
-        cache is shared under a lock)."""
+        return self._guide(pattern, lambda: compile_regex(pattern), after)
+
+    def _guide(
+        self, name: str, compile: Callable[[], DFA], after: tuple[str | None, str]
+    ) -> RegexGuide:
+        """The guide of the DFA ``compile()`` gives, kept under ``name`` (applied after the
+        text ``after[0]``, if given, entered through the opening ``after[1]``, if given: see
+        :mod:`specdec.structured.after`), compiled once (the server compiles it on a worker
+        thread before the engine's thread asks for it: the cache is shared under a lock)."""
         text, opening = after
-        key = pattern if text is None else f"{opening}\0{text}\0{pattern}"
+        key = name if text is None else f"{opening}\0{text}\0{name}"
         with self._lock:
             guide = self._cache.get(key)
             if guide is not None:
@@ -264,7 +292,7 @@ class GuideFactory:
                 return guide
             if self._vocabulary is None:
                 self._vocabulary = Vocabulary(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        dfa = compile_regex(pattern)
+        dfa = compile()
         if text is None:
             guide = RegexGuide(dfa, self._vocabulary)
         else:

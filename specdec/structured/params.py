@@ -9,24 +9,25 @@ from typing import Any
 
 from specdec.structured.grammar import MIN_DEPTH, grammar_regex
 from specdec.structured.json_schema import schema_regex
-from specdec.structured.regex import check_regex
+from specdec.structured.regex import parse_regex
+from specdec.structured.structural_tag import structural_tag_tree
 
-GUIDES = ("choice", "regex", "json_schema", "grammar")  # SamplingParams' guide fields
+# SamplingParams' guide fields
+GUIDES = ("choice", "regex", "json_schema", "grammar", "structural_tag")
 
 
 @dataclass(slots=True)
 class StructuredOutputsParams:
     """vLLM's ``StructuredOutputsParams``, for code written against it: one of ``json`` (a JSON
-    Schema), ``regex``, ``choice``, ``grammar`` or ``json_object=True`` (any JSON object), which
-    ``SamplingParams(structured_outputs=...)`` takes as its ``json_schema``, ``regex``,
-    ``choice`` or ``grammar``.
+    Schema), ``regex``, ``choice``, ``grammar``, ``structural_tag`` (its JSON text) or
+    ``json_object=True`` (any JSON object), which ``SamplingParams(structured_outputs=...)``
+    takes as its ``json_schema``, ``regex``, ``choice``, ``grammar`` or ``structural_tag``.
 
     For JSON: ``whitespace_pattern`` (a regex) replaces the whitespace allowed between JSON
     tokens (at most one space by default), ``disable_any_whitespace=True`` allows none; the
     guide is then the schema's regex with it (``SamplingParams.regex``).
     ``disable_additional_properties`` changes nothing: an object never takes a property its
-    schema does not list. ``disable_fallback`` has no meaning here (one guide, no fallback);
-    ``structural_tag`` is refused."""
+    schema does not list. ``disable_fallback`` has no meaning here (one guide, no fallback)."""
 
     json: dict[str, Any] | str | None = None
     regex: str | None = None
@@ -41,8 +42,6 @@ class StructuredOutputsParams:
 
     def guide(self) -> dict[str, Any]:
         """The SamplingParams fields this sets (ValueError unless exactly one kind is given)."""
-        if self.structural_tag is not None:
-            raise ValueError("structured_outputs.structural_tag is not supported")
         schema = {"type": "object"} if self.json_object else self.json
         given = {
             key: value
@@ -51,10 +50,12 @@ class StructuredOutputsParams:
                 ("regex", self.regex),
                 ("choice", self.choice),
                 ("grammar", self.grammar),
+                ("structural_tag", self.structural_tag),
             )
             if value is not None
         }
-        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        names = ("json", "regex", "choice", "grammar", "structural_tag")
+        kinds = [k for k in names if getattr(self, k) is not None]
         kinds += ["json_object"] if self.json_object else []
         if len(kinds) != 1:
             raise ValueError(f"structured_outputs needs exactly one kind, got {kinds or 'none'}")
@@ -66,7 +67,7 @@ class StructuredOutputsParams:
             )
         if whitespace is not None and schema is not None:
             if whitespace:
-                check_regex(whitespace)
+                parse_regex(whitespace)
             return {"regex": schema_regex(schema, whitespace)}
         return given
 
@@ -105,15 +106,21 @@ def check_guides(params: Any) -> None:  # noqa: ANN401 - a SamplingParams (which
         f"json_schema must be a dict or its JSON text, got {type(schema).__name__}",
     )
     if regex is not None:
-        check_regex(regex)
+        parse_regex(regex)
     if schema is not None:
-        check_regex(schema_regex(schema))
+        parse_regex(schema_regex(schema))
     if params.grammar is not None:
         _require(
             isinstance(params.grammar, str) and params.grammar.strip(),
             f"grammar must be a non-empty string, got {params.grammar!r}",
         )
-        check_regex(grammar_regex(params.grammar, MIN_DEPTH))  # the guide's depth: its DFA's
+        parse_regex(grammar_regex(params.grammar, MIN_DEPTH))  # the guide's depth: its DFA's
+    if params.structural_tag is not None:
+        _require(
+            isinstance(params.structural_tag, (str, dict)),
+            f"structural_tag must be its JSON text or an object, got {params.structural_tag!r}",
+        )
+        structural_tag_tree(params.structural_tag, MIN_DEPTH)
     guides = [n for n in GUIDES if getattr(params, n) is not None]
     _require(len(guides) <= 1, f"give one of {', '.join(GUIDES)}, not {guides}")
     _require(

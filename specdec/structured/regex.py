@@ -248,6 +248,8 @@ def _bits(mask: int) -> np.ndarray:
 def _build(nfa: _NFA, node: tuple, start: int) -> int:
     """Add ``node`` to ``nfa`` from ``start``; return its end state."""
     kind = node[0]
+    if kind == "avoid":
+        return _avoid(nfa, node[1], start)
     if kind == "set":
         end = nfa.state()
         for lo, hi in node[1]:
@@ -283,6 +285,28 @@ def _build(nfa: _NFA, node: tuple, start: int) -> int:
     return end
 
 
+def _avoid(nfa: _NFA, words: tuple[bytes, ...], start: int) -> int:
+    """Any bytes in which none of ``words`` occurs (the tree node ``("avoid", words)``, which
+    no pattern spells): Aho and Corasick's automaton of the words (1975), a state per longest
+    suffix read that begins a word, less the transitions that complete one; any state may end.
+    """
+    prefixes = sorted({w[:k] for w in words for k in range(len(w))}, key=len)
+    state = {p: nfa.state() for p in prefixes}  # b"" (nothing begun) first
+    nfa.eps[start].append(state[b""])
+    end = nfa.state()
+    alphabet = sorted({b for w in words for b in w})
+    other = (1 << 256) - 1 - sum(1 << b for b in alphabet)  # bytes no word holds: back to b""
+    for prefix, at in state.items():
+        nfa.eps[at].append(end)
+        nfa.edges[at].append((other, state[b""]))
+        for byte in alphabet:
+            read = prefix + bytes([byte])
+            if not any(read.endswith(w) for w in words):
+                longest = next(read[k:] for k in range(len(read) + 1) if read[k:] in state)
+                nfa.edges[at].append((1 << byte, state[longest]))
+    return end
+
+
 @dataclass(slots=True)
 class DFA:
     """``table[s, b]``: the state after byte ``b`` from state ``s``; :data:`DEAD` (0) is the
@@ -304,17 +328,23 @@ class DFA:
         return bool(self.accepting[self.walk(self.start, text.encode())])
 
 
-def check_regex(pattern: str) -> None:
-    """Raise :func:`compile_regex`'s ValueError for ``pattern``'s syntax (parsing only)."""
-    _Parser(pattern).parse()
+def parse_regex(pattern: str) -> tuple:
+    """``pattern``'s syntax tree, as :func:`compile_tree` takes it (ValueError if unsupported)."""
+    return _Parser(pattern).parse()
 
 
 def compile_regex(pattern: str) -> DFA:
     """``pattern`` as a :class:`DFA` over UTF-8 bytes (ValueError where it is unsupported)."""
+    return compile_tree(parse_regex(pattern), f"regex {shown(pattern)}")
+
+
+def compile_tree(tree: tuple, name: str) -> DFA:
+    """A syntax tree (:func:`parse_regex`'s nodes, and ``("avoid", words)``) as a :class:`DFA`;
+    ``name`` says what it is in a :class:`TooLarge` error."""
     deadline = time.monotonic() + MAX_SECONDS
     nfa = _NFA([], [])
     start = nfa.state()
-    final = _build(nfa, _Parser(pattern).parse(), start)
+    final = _build(nfa, tree, start)
 
     def closure(states: set[int]) -> frozenset[int]:
         stack, seen = list(states), set(states)
@@ -333,7 +363,7 @@ def compile_regex(pattern: str) -> DFA:
     while todo:
         current = todo.pop()
         if time.monotonic() > deadline:
-            raise TooLarge(f"regex {shown(pattern)} takes over {MAX_SECONDS:.0f} s to compile")
+            raise TooLarge(f"{name} takes over {MAX_SECONDS:.0f} s to compile")
         edges = [e for s in current for e in nfa.edges[s]]
         if not edges:
             continue
@@ -344,7 +374,7 @@ def compile_regex(pattern: str) -> DFA:
             target = closure({edges[e][1] for e in np.flatnonzero(signature)})
             if target not in ids:
                 if len(ids) >= MAX_STATES:
-                    raise TooLarge(f"regex {shown(pattern)} needs more than {MAX_STATES} states")
+                    raise TooLarge(f"{name} needs more than {MAX_STATES} states")
                 ids[target] = len(ids)
                 rows.append(np.zeros(256, np.int32))
                 todo.append(target)
