@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from pydantic import ValidationInfo, field_validator
+from pydantic import PrivateAttr, ValidationInfo, field_validator
 
 from specdec.serving.strict import StrictModel
 from specdec.structured.params import GUIDES, StructuredOutputsParams
@@ -42,6 +42,10 @@ class GuidedFields(StrictModel):
     # "schema": {...}}}, or vLLM's {"type": "structural_tag", "format": {...}} (or "structures"
     # and "triggers": see specdec/structured/structural_tag.py)
     response_format: dict[str, Any] | None = None
+
+    # the guide the server gives the request itself: strict tools under tool_choice "auto", see
+    # routes.auto_tools (only where no field gives one)
+    _tool_guide: dict[str, Any] | None = PrivateAttr(None)
 
     GUIDED: ClassVar[tuple[str, ...]] = (
         "guided_choice", "guided_regex", "guided_json", "guided_grammar"
@@ -122,6 +126,8 @@ class GuidedFields(StrictModel):
         """The guide as SamplingParams takes it: ``{"choice" | "regex" | "json_schema" |
         "grammar" | "structural_tag": ...}`` or nothing, from whichever field gave it
         (validated: one at most)."""
+        if self._tool_guide is not None:
+            return self._tool_guide
         kind = (self.response_format or {}).get("type", "text")
         if kind == "structural_tag":
             return {"structural_tag": self.response_format}
@@ -164,8 +170,12 @@ class GuidedFields(StrictModel):
         return StructuredOutputsParams(json=guide["json_schema"], **options).guide()
 
     def guided(self) -> bool:
-        """Whether any field gives this request a guide."""
-        return bool(guides_given(self.__dict__))
+        """Whether any field (or the server: :meth:`guide_tools`) gives this request a guide."""
+        return bool(guides_given(self.__dict__)) or self._tool_guide is not None
+
+    def guide_tools(self, guide: dict[str, Any] | None) -> None:
+        """Guide a request whose fields give no guide by ``guide``, the tools' own."""
+        self._tool_guide = guide
 
     def param_of(self, name: str) -> str:
         """The request field to name in an error about SamplingParams' field ``name``: the
@@ -175,6 +185,8 @@ class GuidedFields(StrictModel):
         return self.guide_field() if guide else name
 
     def guide_field(self) -> str:
+        if self._tool_guide is not None:
+            return "tools"
         if (self.response_format or {}).get("type", "text") != "text":
             return "response_format"
         given = [n for n in self.GUIDED if getattr(self, n) is not None]

@@ -340,6 +340,9 @@ class ChatCompletionRequest(GenerationFields, ChatTemplateFields, ToolChoiceRule
     def tool_names(self) -> list[str]:
         return [t.function.name for t in self.tools or []]
 
+    def chat_tools(self) -> list[Tool]:
+        return self.tools or []
+
     def guide(self) -> dict[str, Any]:
         if self.calls_tools:
             return {"json_schema": calls_schema(self.tools or [], self.tool_choice)}

@@ -89,7 +89,7 @@ class FunctionTool(StrictModel):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments; None: none
-    strict: bool | None = None  # the arguments always follow the schema here
+    strict: bool | None = None  # as chat's (serving/tools.py FunctionDefinition)
 
 
 class NamedFunction(StrictModel):
@@ -168,7 +168,8 @@ class ResponsesRequest(GenerationFields, ChatTemplateFields, ToolChoiceRules):
         """The tools as chat completions take them."""
         return [
             Tool(type="function", function=FunctionDefinition(
-                name=t.name, description=t.description, parameters=t.parameters))
+                name=t.name, description=t.description, parameters=t.parameters,
+                strict=t.strict))
             for t in self.tools or []
         ]  # fmt: skip
 

@@ -46,6 +46,7 @@ from specdec.serving.responses import (
     ModelList,
 )
 from specdec.serving.tool_parsers import CallParser, parser_for
+from specdec.serving.tools import strict_calls
 
 if TYPE_CHECKING:
     from specdec.serving.app import ServerState
@@ -210,6 +211,8 @@ def auto_tools(
     parser = parser_for(state.config.tool_call_parser or "hermes", body.tool_names())
     if parser.syntax.special_tokens and body.skip_special_tokens is None:
         body.skip_special_tokens = False
+    if parser.syntax.strict is not None and not body.guide():  # strict tools: see tools.py
+        body.guide_tools(strict_calls(body.chat_tools(), parser.syntax.strict))
     return parser
 
 

@@ -61,6 +61,10 @@ class Syntax:
     read: Callable[[str, list[str]], list[ToolCall] | None]
     openers: tuple[str, ...] = ()
     special_tokens: bool = False  # the marker is a special token: keep them in the text
+    # [(name, arguments' schema)] -> the structural tag that holds each call in the reply to
+    # this syntax and its function's schema, the text around the calls free (strict tools
+    # under "auto"); None: the syntax has none
+    strict: Callable[[list[tuple[str, dict[str, Any]]]], dict[str, Any]] | None = None
 
 
 def _call(name: Any, arguments: Any, tool_names: list[str]) -> ToolCall | None:  # noqa: ANN401
@@ -144,8 +148,23 @@ def _pythonic(text: str, tool_names: list[str]) -> list[ToolCall] | None:
         return None
 
 
+def _hermes_tag(tools: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Each call as Hermes-style templates show it (Qwen2.5's, SmolLM2's): ``<tool_call>``, a
+    newline, ``{"name": ..., "arguments": ...}`` and a newline before ``</tool_call>``."""
+    tags = [
+        {
+            "begin": f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": ',
+            "content": {"type": "json_schema", "json_schema": schema},
+            "end": "}\n</tool_call>",
+        }
+        for name, schema in tools
+    ]
+    format = {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": tags}
+    return {"type": "structural_tag", "format": format}
+
+
 SYNTAXES = {
-    "hermes": Syntax("<tool_call>", _hermes),
+    "hermes": Syntax("<tool_call>", _hermes, strict=_hermes_tag),
     "mistral": Syntax("[TOOL_CALLS]", _mistral, special_tokens=True),
     "llama3_json": Syntax(None, _llama3_json, openers=(_PYTHON_TAG, "{")),
     "pythonic": Syntax(None, _pythonic, openers=("[",)),

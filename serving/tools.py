@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
@@ -23,7 +24,9 @@ class FunctionDefinition(StrictModel):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments; None: none
-    strict: bool | None = None  # OpenAI's; the arguments always follow the schema here
+    # OpenAI's: the arguments follow the schema (always under "required" or a named function; under
+    # "auto" too where the server's tool-call parser has a structural tag: see strict_calls)
+    strict: bool | None = None
 
 
 class Tool(StrictModel):
@@ -95,6 +98,23 @@ def calls_schema(tools: list[Any], tool_choice: Any) -> dict[str, Any]:
         for t in tools
     ]
     return {"type": "array", "items": {"anyOf": one_call}, "minItems": 1}
+
+
+def strict_calls(
+    tools: list[Any], tag: Callable[[list[tuple[str, dict[str, Any]]]], dict[str, Any]]
+) -> dict[str, Any] | None:
+    """Under "auto", where any tool is ``strict``: the guide that holds each call the model
+    makes to its syntax (``tag``, the parser's: see tool_parsers.Syntax.strict) and its
+    function's schema (any JSON object for a tool that is not strict), the text around the calls
+    free; None where no tool is strict. SGLang's rule: OpenAI's ``strict`` promises arguments
+    that follow the schema, whether the model had to call or chose to."""
+    if not any(t.function.strict for t in tools):
+        return None
+    schemas = [
+        (t.function.name, _parameters(t) if t.function.strict else {"type": "object"})
+        for t in tools
+    ]
+    return {"structural_tag": tag(schemas)}
 
 
 def new_call_id() -> str:

@@ -277,3 +277,43 @@ def test_free_text_opens_a_tag_at_its_trigger(make_llm):
         text = "".join(rng.choice("ab< =f") for _ in range(12))
         if "<f=" not in text:
             assert len(allowed_after(text)) == len(ids), text
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_tag_opened_by_the_model_holds_its_content_to_the_schema(make_llm, temperature):
+    """A logits processor makes the (random) model write the trigger after some free text; from
+    there the tag's begin, content and end are the guide's, whatever the drafter."""
+    hermes = {"triggers": ["<tool_call>"], "structures": [
+        {"begin": '<tool_call>\n{"name": "f", "arguments": ', "end": "}\n</tool_call>",
+         "schema": {"type": "object", "properties": {"n": {"enum": [1, 2]}}, "required": ["n"]}}]}  # fmt: skip
+    llm = make_llm()
+    forced = llm.tokenizer.encode("ok <tool_call>", add_special_tokens=False)
+
+    def opens(output_ids: list[int], logits):  # noqa: ANN001, ANN202
+        if len(output_ids) < len(forced):
+            keep = logits[forced[len(output_ids)]].clone()
+            logits.fill_(float("-inf"))
+            logits[forced[len(output_ids)]] = keep
+        return logits
+
+    def outputs(target) -> list[list[int]]:  # noqa: ANN001
+        params = [SamplingParams(temperature=temperature, seed=s, max_tokens=96,
+                                 structural_tag=hermes, logits_processors=[opens])
+                  for s in range(len(PROMPTS))]  # fmt: skip
+        return [o.token_ids for o in target.generate(PROMPTS, params)]
+
+    def ended(ids: list[int]) -> bool:
+        return ids[-1] in llm.engine.eos_token_ids
+
+    plain = outputs(llm)
+    reference = {tuple(p): o for p, o in zip(PROMPTS, plain)}
+    oracle = make_llm(speculative=SpecConfig(OracleDrafter(reference), 4, adaptive=False))
+    lookup = make_llm(speculative=SpecConfig("prompt_lookup", 4, adaptive=False))
+    assert outputs(oracle) == plain == outputs(lookup)
+    for ids in plain:
+        text = llm.decode(ids)
+        assert text.startswith('ok <tool_call>\n{"name": "f", "arguments": {'), text
+        body = text.removeprefix("ok <tool_call>\n")
+        call = json.loads(body[: body.index("\n</tool_call>")])  # closed within 96 tokens
+        assert call["name"] == "f" and call["arguments"]["n"] in (1, 2), text
+        assert dfa_of(json.dumps(hermes)).fullmatch(llm.decode(ids[:-1]) if ended(ids) else text)

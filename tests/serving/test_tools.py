@@ -12,7 +12,13 @@ import pytest
 from specdec import LLM, SamplingParams
 from specdec.llm import ChatOptions
 from specdec.serving import ServerConfig
+from specdec.serving.protocol import ChatCompletionRequest
+from specdec.serving.responses_api import ResponsesRequest
+from specdec.serving.routes import auto_tools
+from specdec.serving.tool_parsers import SYNTAXES
 from specdec.serving.tools import calls_schema
+from specdec.structured.regex import compile_tree
+from specdec.structured.structural_tag import structural_tag_tree
 from tests.tiny import byte_tokenizer, tiny_model
 
 from .conftest import MODEL, start_server
@@ -33,8 +39,6 @@ def offline() -> LLM:
 
 
 def schema_of(tool_choice):  # noqa: ANN001, ANN201
-    from specdec.serving.protocol import ChatCompletionRequest
-
     body = ChatCompletionRequest(messages=CHAT, tools=TOOLS, tool_choice=tool_choice)
     return calls_schema(body.tools or [], body.tool_choice)
 
@@ -105,8 +109,6 @@ def test_tools_and_calls_reach_the_chat_template(offline):
         "{% endfor %}"
     )
     llm = LLM(tiny_model("llama"), tokenizer=tokenizer, num_kv_blocks=16)
-    from specdec.serving.protocol import ChatCompletionRequest
-
     call = {
         "id": "1",
         "type": "function",
@@ -220,6 +222,49 @@ def test_auto_hands_back_text_that_holds_no_whole_call(auto_served, stream):
             assert all(c.delta.tool_calls is None for c in chunks)
         assert got_reason == reason and got.rstrip("#") == text[: len(got.rstrip("#"))]
         assert got.rstrip("#") == text or reason == "length"
+
+
+STRICT = [{"type": "function", "function": {"name": "weather", "parameters": UNIT, "strict": True}},
+          TOOLS[1]]  # fmt: skip
+
+
+def test_strict_tools_under_auto_hold_each_call_to_its_schema(auto_served, offline):
+    """With a strict tool, "auto" replies are guided by the parser's structural tag: free text,
+    and each call in Hermes' syntax with its function's arguments (a loose tool's: any object);
+    not where the request gives its own guide, nor without a strict tool."""
+    tag = SYNTAXES["hermes"].strict([("weather", UNIT), ("clock", {"type": "object"})])
+    dfa = compile_tree(structural_tag_tree(tag, 4)[0], "tag")
+    call = '<tool_call>\n{"name": "weather", "arguments": {"unit": "c"}}\n</tool_call>'
+    assert dfa.fullmatch("Let me look." + call) and dfa.fullmatch("No call needed.")
+    assert dfa.fullmatch(call.replace('"weather", "arguments": {"unit": "c"}', '"clock", '
+                                      '"arguments": {"any": [1]}'))  # fmt: skip
+    assert not dfa.fullmatch(call.replace('"c"', '"k"'))  # the schema's enum
+    assert not dfa.fullmatch(call.replace("weather", "nope"))  # no such tool
+    body = {"messages": CHAT, "tools": STRICT, "max_tokens": 40, "temperature": 0}
+    reply = auto_served.post(C, json=body).json()["choices"][0]["message"]["content"]
+    params = SamplingParams(temperature=0, max_tokens=40, structural_tag=tag)
+    assert reply == offline.chat(CHAT, params, tools=STRICT)[0].text
+    for tools, extra, guided in [
+        (STRICT, {}, True),
+        (TOOLS, {}, False),
+        (STRICT, {"guided_regex": "[a-z]+"}, False),
+        (STRICT, {"tool_choice": "none"}, False),
+    ]:
+        request = ChatCompletionRequest.model_validate({"messages": CHAT, "tools": tools, **extra})
+        auto_tools(auto_served.state, request)
+        assert ("structural_tag" in request.guide()) == guided, (tools, extra)
+    flat = {"type": "function", "name": "weather", "parameters": UNIT, "strict": True}
+    request = ResponsesRequest.model_validate({"input": "Weather?", "tools": [flat]})
+    auto_tools(auto_served.state, request)  # the Responses API's tools, flat, the same
+    assert request.guide() == {"structural_tag": SYNTAXES["hermes"].strict([("weather", UNIT)])}
+    unfollowable = [{"type": "function", "function": {
+        "name": "f", "strict": True, "parameters": {"minimum": 1}}}]  # fmt: skip
+    response = auto_served.post(C, json={**body, "tools": unfollowable})
+    assert_error(response, 400, "json_schema keyword 'minimum' is not supported", "tools")
+    loose = [{"type": "function", "function": {"name": "f", "parameters": {"minimum": 1}}}]
+    assert auto_served.post(C, json={**body, "tools": loose}).status_code == 200
+    # beside a strict tool, a loose one's arguments are any object: its schema is not compiled
+    assert auto_served.post(C, json={**body, "tools": [STRICT[0], *loose]}).status_code == 200
 
 
 SYNTAX_REPLIES = {  # each parser's syntax, as a model that writes it would reply
