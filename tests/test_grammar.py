@@ -10,6 +10,7 @@ import re
 import pytest
 
 from specdec import SamplingParams, SpecConfig, StructuredOutputsParams
+from specdec.structured import automaton
 from specdec.structured import grammar as grammar_module
 from specdec.structured import guide as guide_module
 from specdec.structured import regex as regex_module
@@ -147,7 +148,7 @@ def test_a_grammar_too_large_for_the_dfa_at_full_depth_is_followed_less_deep(mak
 def test_a_grammar_too_large_at_the_least_depth_is_refused(make_llm, monkeypatch):
     """Refused once the bound is at its least, and the refusal kept: the next request with the
     grammar is refused without compiling it again (seconds each time)."""
-    monkeypatch.setattr(regex_module, "MAX_STATES", 40)
+    monkeypatch.setattr(automaton, "MAX_STATES", 40)
     compiles = []
     monkeypatch.setattr(guide_module, "compile_regex", lambda p: compiles.append(p) or (
         regex_module.compile_regex(p)))  # fmt: skip

@@ -10,6 +10,7 @@ import random
 import pytest
 
 from specdec import SamplingParams, SpecConfig, StructuredOutputsParams
+from specdec.structured import automaton
 from specdec.structured import guide as guide_module
 from specdec.structured import regex as regex_module
 from specdec.structured.regex import DFA, compile_tree
@@ -192,7 +193,7 @@ def test_a_structural_tag_with_a_grammar_too_large_is_followed_less_deep(make_ll
     fits); without a grammar a tag too large is refused at once, not compiled again."""
     nested = {"format": {"type": "tag", "begin": "<a>", "end": "</a>", "content": {
         "type": "grammar", "grammar": 'root ::= "(" root ")" | "x"'}}}  # fmt: skip
-    monkeypatch.setattr(regex_module, "MAX_STATES", 16)
+    monkeypatch.setattr(automaton, "MAX_STATES", 16)
     guides = make_llm().engine.guides
     dfa = guides.for_params(SamplingParams(structural_tag=json.dumps(nested))).dfa
     assert dfa.fullmatch("<a>((x))</a>") and not dfa.fullmatch("<a>(((x)))</a>")

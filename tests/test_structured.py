@@ -12,8 +12,8 @@ from scipy.stats import chisquare
 
 from specdec import SamplingParams, SpecConfig, StructuredOutputsParams
 from specdec.sequence import Sequence
+from specdec.structured import automaton
 from specdec.structured import guide as guide_module
-from specdec.structured import regex as regex_module
 from specdec.structured.guide import token_bytes
 from specdec.structured.json_schema import free_json_regex, schema_regex
 from specdec.structured.regex import compile_regex
@@ -66,10 +66,10 @@ def test_unsupported_patterns_are_refused_by_what_they_use(pattern, message):
 
 
 def test_a_pattern_with_too_many_states_or_too_slow_to_compile_is_refused(monkeypatch):
-    monkeypatch.setattr(regex_module, "MAX_STATES", 64)
+    monkeypatch.setattr(automaton, "MAX_STATES", 64)
     with pytest.raises(ValueError, match="needs more than 64 states"):
         compile_regex("(a|b)*a(a|b){8}")  # 2**9 states: the classic subset-construction blow-up
-    monkeypatch.setattr(regex_module, "MAX_SECONDS", 0.0)
+    monkeypatch.setattr(automaton, "MAX_SECONDS", 0.0)
     with pytest.raises(ValueError, match="takes over 0 s to compile"):
         compile_regex("[a-z]+")
 
@@ -270,7 +270,7 @@ def test_a_pattern_the_engine_cannot_compile_leaves_no_request_behind(make_llm, 
     llm = make_llm()
     with pytest.raises(ValueError, match="lookarounds"):  # its syntax: refused at once
         SamplingParams(regex="(?=a)")
-    monkeypatch.setattr(regex_module, "MAX_STATES", 4)
+    monkeypatch.setattr(automaton, "MAX_STATES", 4)
     with pytest.raises(ValueError, match="needs more than 4 states"):  # its size: when added
         llm.generate([[1, 2], [3]], SamplingParams(regex="[a-z]{9}"))
     assert not llm.engine.has_unfinished() and not llm.engine.requests

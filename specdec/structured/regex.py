@@ -2,8 +2,8 @@
 
 The model emits tokens, each a few bytes that may split a character, so a pattern becomes an
 automaton over bytes: parsed (:class:`_Parser`, Python's ``re`` syntax in part), a Thompson NFA
-whose character sets are spelled as UTF-8 byte ranges (:func:`~specdec.structured.utf8.utf8_ranges`, after RE2's
-construction), then a dense DFA by subset construction (:func:`compile_regex`). Outlines (Willard
+whose character sets are spelled as UTF-8 byte ranges (after RE2's construction), then a dense
+DFA by subset construction (:mod:`specdec.structured.automaton`). Outlines (Willard
 and Louf 2023) and vLLM index a vocabulary against such an automaton, as
 :mod:`specdec.structured.guide` does.
 
@@ -11,25 +11,20 @@ Supported: literals, ``.`` (not a newline), ``[a-z]``, ``[^...]``, the escapes `
 \\D \\W \\S`` (ASCII, as under ``re.ASCII`` and in JSON Schema), ``\\n \\t \\r \\f \\v``,
 ``\\xhh``, ``\\uhhhh`` and escaped metacharacters, ``(...)``, ``(?:...)``, ``|``, and ``* + ? {n} {n,} {,m} {n,m}``
 (lazy forms too); ``^`` and ``$`` at the ends only (a match is always whole). Backreferences,
-lookarounds, flags and patterns past the limits below are refused with a ValueError.
+lookarounds, flags and patterns past the automaton's limits are refused with a ValueError.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
-
-import numpy as np
-
-from specdec.structured.utf8 import utf8_ranges
+# the automata, for the modules that compile patterns (re-exported)
+from specdec.structured.automaton import DEAD as DEAD
+from specdec.structured.automaton import DFA as DFA
+from specdec.structured.automaton import TooLarge as TooLarge
+from specdec.structured.automaton import compile_tree as compile_tree
 
 MAX_CODEPOINT = 0x10FFFF
-MAX_STATES = 10_000  # DFA states before a pattern is refused (about 3 s of compiling)
-MAX_NFA_STATES = 100_000  # NFA states (repetitions expand: (a{100}){100} has 10,000)
-MAX_SECONDS = 10.0  # compile time before a pattern is refused
 MAX_REPEAT = 1_000  # the largest {n,m} bound
 MAX_NESTING = 100  # groups within groups
-DEAD = 0  # the DFA state no match can leave
 
 Ranges = list[tuple[int, int]]  # sorted, disjoint, inclusive code point ranges
 
@@ -38,10 +33,6 @@ WORD: Ranges = [(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)]
 SPACE: Ranges = [(0x09, 0x0D), (0x20, 0x20)]
 ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "0": "\0"}
 CLASSES = {"d": DIGIT, "w": WORD, "s": SPACE}
-
-
-class TooLarge(ValueError):
-    """A pattern past the limits above (states, time): valid, but too large to follow."""
 
 
 def normalize(ranges: Ranges) -> Ranges:
@@ -223,111 +214,6 @@ class _Parser:
 # -- Thompson NFA over bytes, then the DFA
 
 
-@dataclass(slots=True)
-class _NFA:
-    eps: list[list[int]]  # state -> epsilon successors
-    edges: list[list[tuple[int, int]]]  # state -> (256-bit byte mask, successor)
-
-    def state(self) -> int:
-        if len(self.eps) >= MAX_NFA_STATES:
-            raise TooLarge(f"regex needs more than {MAX_NFA_STATES} automaton states")
-        self.eps.append([])
-        self.edges.append([])
-        return len(self.eps) - 1
-
-
-def _mask(lo: int, hi: int) -> int:
-    return ((1 << (hi - lo + 1)) - 1) << lo
-
-
-def _bits(mask: int) -> np.ndarray:
-    raw = np.frombuffer(mask.to_bytes(32, "little"), np.uint8)
-    return np.unpackbits(raw, bitorder="little").astype(bool)
-
-
-def _build(nfa: _NFA, node: tuple, start: int) -> int:
-    """Add ``node`` to ``nfa`` from ``start``; return its end state."""
-    kind = node[0]
-    if kind == "avoid":
-        return _avoid(nfa, node[1], start)
-    if kind == "set":
-        end = nfa.state()
-        for lo, hi in node[1]:
-            for seq in utf8_ranges(lo, hi):
-                at = start
-                for k, (a, b) in enumerate(seq):
-                    nxt = end if k == len(seq) - 1 else nfa.state()
-                    nfa.edges[at].append((_mask(a, b), nxt))
-                    at = nxt
-        return end
-    if kind == "cat":
-        for item in node[1]:
-            start = _build(nfa, item, start)
-        return start
-    if kind == "alt":
-        end = nfa.state()
-        for option in node[1]:
-            nfa.eps[_build(nfa, option, start)].append(end)
-        return end
-    _, inner, low, high = node
-    for _ in range(low):
-        start = _build(nfa, inner, start)
-    if high is None:  # a loop: start -> inner -> start
-        loop = nfa.state()
-        nfa.eps[start].append(loop)
-        nfa.eps[_build(nfa, inner, loop)].append(loop)
-        return loop
-    end = nfa.state()
-    for _ in range(high - low):
-        nfa.eps[start].append(end)
-        start = _build(nfa, inner, start)
-    nfa.eps[start].append(end)
-    return end
-
-
-def _avoid(nfa: _NFA, words: tuple[bytes, ...], start: int) -> int:
-    """Any bytes in which none of ``words`` occurs (the tree node ``("avoid", words)``, which
-    no pattern spells): Aho and Corasick's automaton of the words (1975), a state per longest
-    suffix read that begins a word, less the transitions that complete one; any state may end.
-    """
-    prefixes = sorted({w[:k] for w in words for k in range(len(w))}, key=len)
-    state = {p: nfa.state() for p in prefixes}  # b"" (nothing begun) first
-    nfa.eps[start].append(state[b""])
-    end = nfa.state()
-    alphabet = sorted({b for w in words for b in w})
-    other = (1 << 256) - 1 - sum(1 << b for b in alphabet)  # bytes no word holds: back to b""
-    for prefix, at in state.items():
-        nfa.eps[at].append(end)
-        nfa.edges[at].append((other, state[b""]))
-        for byte in alphabet:
-            read = prefix + bytes([byte])
-            if not any(read.endswith(w) for w in words):
-                longest = next(read[k:] for k in range(len(read) + 1) if read[k:] in state)
-                nfa.edges[at].append((1 << byte, state[longest]))
-    return end
-
-
-@dataclass(slots=True)
-class DFA:
-    """``table[s, b]``: the state after byte ``b`` from state ``s``; :data:`DEAD` (0) is the
-    state from which nothing matches, and every state that cannot reach a match is folded into
-    it. ``accepting[s]``: whether the bytes read so far match in full. Start: state 1."""
-
-    table: np.ndarray  # [S, 256] int32
-    accepting: np.ndarray  # [S] bool
-    start: int = 1
-
-    def walk(self, state: int, data: bytes) -> int:
-        for byte in data:
-            state = int(self.table[state, byte])
-            if state == DEAD:
-                break
-        return state
-
-    def fullmatch(self, text: str) -> bool:
-        return bool(self.accepting[self.walk(self.start, text.encode())])
-
-
 def parse_regex(pattern: str) -> tuple:
     """``pattern``'s syntax tree, as :func:`compile_tree` takes it (ValueError if unsupported)."""
     return _Parser(pattern).parse()
@@ -336,63 +222,3 @@ def parse_regex(pattern: str) -> tuple:
 def compile_regex(pattern: str) -> DFA:
     """``pattern`` as a :class:`DFA` over UTF-8 bytes (ValueError where it is unsupported)."""
     return compile_tree(parse_regex(pattern), f"regex {shown(pattern)}")
-
-
-def compile_tree(tree: tuple, name: str) -> DFA:
-    """A syntax tree (:func:`parse_regex`'s nodes, and ``("avoid", words)``) as a :class:`DFA`;
-    ``name`` says what it is in a :class:`TooLarge` error."""
-    deadline = time.monotonic() + MAX_SECONDS
-    nfa = _NFA([], [])
-    start = nfa.state()
-    final = _build(nfa, tree, start)
-
-    def closure(states: set[int]) -> frozenset[int]:
-        stack, seen = list(states), set(states)
-        while stack:
-            for t in nfa.eps[stack.pop()]:
-                if t not in seen:
-                    seen.add(t)
-                    stack.append(t)
-        return frozenset(seen)
-
-    ids: dict[frozenset[int], int] = {frozenset(): DEAD}
-    rows: list[np.ndarray] = [np.zeros(256, np.int32)]
-    first = closure({start})
-    ids[first], todo = 1, [first]
-    rows.append(np.zeros(256, np.int32))
-    while todo:
-        current = todo.pop()
-        if time.monotonic() > deadline:
-            raise TooLarge(f"{name} takes over {MAX_SECONDS:.0f} s to compile")
-        edges = [e for s in current for e in nfa.edges[s]]
-        if not edges:
-            continue
-        member = np.stack([_bits(mask) for mask, _ in edges])  # [edges, 256]
-        signatures, inverse = np.unique(member.T, axis=0, return_inverse=True)
-        row = rows[ids[current]]
-        for k, signature in enumerate(signatures):
-            target = closure({edges[e][1] for e in np.flatnonzero(signature)})
-            if target not in ids:
-                if len(ids) >= MAX_STATES:
-                    raise TooLarge(f"{name} needs more than {MAX_STATES} states")
-                ids[target] = len(ids)
-                rows.append(np.zeros(256, np.int32))
-                todo.append(target)
-            row[inverse.reshape(-1) == k] = ids[target]
-    table = np.stack(rows)
-    accepting = np.zeros(len(ids), bool)
-    for states, i in ids.items():
-        accepting[i] = final in states
-    return DFA(_prune(table, accepting), accepting)
-
-
-def _prune(table: np.ndarray, accepting: np.ndarray) -> np.ndarray:
-    """``table`` with every transition into a state that cannot reach a match sent to DEAD."""
-    live = accepting.copy()
-    while True:
-        grown = live | live[table].any(axis=1)
-        grown[DEAD] = False
-        if (grown == live).all():
-            break
-        live = grown
-    return np.where(live[table], table, DEAD).astype(np.int32)
