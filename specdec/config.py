@@ -79,7 +79,7 @@ class SamplingParams:
     # then end (vLLM's guided json; the keywords: specdec/structured/json_schema.py)
     json_schema: dict[str, Any] | str | None = None
     # the output must be a string this grammar derives, then end (vLLM's guided grammar: EBNF
-    # "root ::= ..." or Lark "start: ..."; recursion bounded: specdec/structured/grammar.py)
+    # "root ::= ..." or Lark "start: ..."; any nesting: specdec/structured/grammar.py)
     grammar: str | None = None
     # free text with tagged structures (tool calls) in it: vLLM's structural tag, its JSON text
     # or the object (the formats: specdec/structured/structural_tag.py)

@@ -15,6 +15,7 @@ from specdec.structured import grammar as grammar_module
 from specdec.structured import guide as guide_module
 from specdec.structured import regex as regex_module
 from specdec.structured.grammar import MAX_DEPTH, grammar_regex
+from specdec.structured.pushdown import PushdownGuide
 from specdec.structured.regex import DFA, TooLarge, compile_regex
 from tests.test_penalties import OracleDrafter
 
@@ -130,19 +131,49 @@ ws     ::= ([ \t\n] ws)?
 """
 
 
+AFTER = "</think>"  # a grammar after a text is one DFA, its recursion bounded
+
+
 def test_a_grammar_too_large_for_the_dfa_at_full_depth_is_followed_less_deep(make_llm):
-    """JSON's three recursive rules at depth 4 pass the DFA's 10,000 states: the guide is built
-    at depth 3 (the largest that fits), and the optional-recursive ``ws`` is a loop all the
-    same."""
+    """After a text, JSON's three recursive rules at depth 4 pass the DFA's 10,000 states: the
+    guide is built at depth 3 (the largest that fits), and the optional-recursive ``ws`` is a
+    loop all the same."""
     guides = make_llm().engine.guides
-    dfa = guides.for_params(SamplingParams(grammar=JSON_EBNF)).dfa
+    dfa = guides.for_params(SamplingParams(grammar=JSON_EBNF, guide_after=AFTER)).dfa
     assert guides._grammars[JSON_EBNF] == MAX_DEPTH - 1
-    assert dfa.fullmatch('{"a": [1, -20, {"b": true}],' + " " * 30 + '"c\\u00e9": "x\\n"}')
-    assert dfa.fullmatch('{"a": {"b": [1]}}') and dfa.fullmatch('{"a": {"b": {"c": 1}}}')
-    assert not dfa.fullmatch('{"a": {"b": {"c": [1]}}}')  # a value open a fourth time
-    assert not dfa.fullmatch('{"a": 01}') and not dfa.fullmatch('{"a": 1,}')
+
+    def after(text: str) -> bool:
+        return dfa.fullmatch("thinking" + AFTER + text)
+
+    assert after('{"a": [1, -20, {"b": true}],' + " " * 30 + '"c\\u00e9": "x\\n"}')
+    assert after('{"a": {"b": [1]}}') and after('{"a": {"b": {"c": 1}}}')
+    assert not after('{"a": {"b": {"c": [1]}}}')  # a value open a fourth time
+    assert not after('{"a": 01}') and not after('{"a": 1,}')
     with pytest.raises(ValueError, match="needs more than 10000 states"):
         compile_regex(grammar_regex(JSON_EBNF))
+
+
+def accepted(guide, tokenizer, text: str) -> bool:  # noqa: ANN001
+    """Whether a guide takes ``text`` (tokenized as the tokenizer does) and then the end."""
+    state = guide.start()
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        if state is None or not guide.allowed(state)[token]:
+            return False
+        state = guide.advance(state, token)
+    return state is not None and bool(guide.allowed(state)[tokenizer.eos_token_id])
+
+
+def test_a_recursive_grammar_is_followed_to_any_depth(make_llm):
+    """Without a text before it, the grammar's recursion is a pushdown guide's: nesting is
+    followed as deep as the output goes, and only whole documents end."""
+    llm = make_llm()
+    guide = llm.engine.guides.for_params(SamplingParams(grammar=JSON_EBNF))
+    assert isinstance(guide, PushdownGuide)
+    deep = '{"a": ' * 30 + "[" * 30 + "1" + "]" * 30 + "}" * 30
+    for text in ['{"a": {"b": {"c": [1]}}}', deep, '{"a": [1, -20, {"b": true}], "c": "x"}']:
+        assert accepted(guide, llm.tokenizer, text), text
+    for text in [deep[:-1], deep + "}", '{"a": 01}', '{"a": 1,}', '{"a": [1}']:
+        assert not accepted(guide, llm.tokenizer, text), text
 
 
 def test_a_grammar_too_large_at_the_least_depth_is_refused(make_llm, monkeypatch):
@@ -153,11 +184,12 @@ def test_a_grammar_too_large_at_the_least_depth_is_refused(make_llm, monkeypatch
     monkeypatch.setattr(guide_module, "compile_regex", lambda p: compiles.append(p) or (
         regex_module.compile_regex(p)))  # fmt: skip
     llm = make_llm()
+    params = SamplingParams(grammar=JSON_EBNF, guide_after=AFTER)
     with pytest.raises(ValueError, match="too large to follow even with its recursion"):
-        llm.engine.guides.for_params(SamplingParams(grammar=JSON_EBNF))
+        llm.engine.guides.for_params(params)
     assert len(compiles) == MAX_DEPTH - 1  # depths 4, 3 and 2
     with pytest.raises(ValueError, match="too large to follow"):
-        llm.generate([[1, 2]], SamplingParams(grammar=JSON_EBNF))
+        llm.generate([[1, 2]], params)
     assert len(compiles) == MAX_DEPTH - 1
 
 
@@ -165,7 +197,7 @@ def test_an_engine_keeps_a_bounded_number_of_grammar_bounds(make_llm, monkeypatc
     monkeypatch.setattr(guide_module, "GUIDE_CACHE", 3)
     guides = make_llm().engine.guides
     for i in range(6):
-        guides.for_params(SamplingParams(grammar=f'root ::= "a{i}"'))
+        guides.for_params(SamplingParams(grammar=f'root ::= "a{i}"', guide_after=AFTER))
     assert list(guides._grammars) == [f'root ::= "a{i}"' for i in (3, 4, 5)]
 
 
@@ -209,15 +241,17 @@ def test_a_grammar_too_large_to_expand_is_followed_less_deep_or_refused(make_llm
         with pytest.raises(TooLarge, match="over 200 characters: nest its recursive rules less"):
             grammar_regex(tree)
         guides = make_llm().engine.guides
-        dfa = guides.for_params(SamplingParams(grammar=tree)).dfa
-        assert guides._grammars[tree] == MAX_DEPTH - 1 and dfa.fullmatch("(x(xxx)x)")
-        assert not dfa.fullmatch("(x(x(xxx)x)x)")
+        dfa = guides.for_params(SamplingParams(grammar=tree, guide_after=AFTER)).dfa
+        assert guides._grammars[tree] == MAX_DEPTH - 1 and dfa.fullmatch(AFTER + "(x(xxx)x)")
+        assert not dfa.fullmatch(AFTER + "(x(x(xxx)x)x)")
         monkeypatch.setattr(grammar_module, "MAX_PATTERN", 20)
         grammar_module.grammar_regex.cache_clear()
+        grammar_module.grammar_rules.cache_clear()
         with pytest.raises(ValueError, match="over 20 characters"):
             SamplingParams(grammar=tree)
     finally:
         grammar_module.grammar_regex.cache_clear()
+        grammar_module.grammar_rules.cache_clear()
 
 
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], list(range(10, 40)) * 2, [7] * 13, [200]]
@@ -225,6 +259,15 @@ GRAMMARS = [
     'root ::= item ("," item)* "."\nitem ::= "ab" | "c" [0-9]{1,2} | "(" root ")"',
     'start: pair+ ";"\npair: KEY "=" /[0-9]+/\nKEY: "a".."d"\n%ignore " "',
 ]
+
+
+def nesting(text: str) -> int:
+    """How deep ``text``'s parentheses nest."""
+    depth = deepest = 0
+    for c in text:
+        depth += {"(": 1, ")": -1}.get(c, 0)
+        deepest = max(deepest, depth)
+    return deepest
 
 
 @pytest.mark.parametrize("grammar", GRAMMARS)
@@ -239,7 +282,9 @@ def test_the_engine_follows_a_grammar_as_its_regex_and_with_any_drafter(
 
     llm = make_llm()
     plain = outputs(llm, grammar=grammar)
-    assert plain == outputs(llm, regex=grammar_regex(grammar))
+    # where no output nests 8 deep, a DFA bounded at 9 has the pushdown guide's masks
+    assert max(nesting(llm.decode(ids)) for ids in plain) < 8
+    assert plain == outputs(llm, regex=grammar_regex(grammar, 9))
     assert plain == outputs(llm, structured_outputs=StructuredOutputsParams(grammar=grammar))
     reference = {tuple(p): o for p, o in zip(PROMPTS, plain)}
     oracle = make_llm(speculative=SpecConfig(OracleDrafter(reference), 4, adaptive=False))

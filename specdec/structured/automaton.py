@@ -6,7 +6,7 @@ construction (:func:`compile_tree`), for the guides of :mod:`specdec.structured.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -26,12 +26,14 @@ class TooLarge(ValueError):
 class _NFA:
     eps: list[list[int]]  # state -> epsilon successors
     edges: list[list[tuple[int, int]]]  # state -> (256-bit byte mask, successor)
+    calls: list[list[tuple[int, int]]]  # state -> (rule called, state it returns to)
 
     def state(self) -> int:
         if len(self.eps) >= MAX_NFA_STATES:
             raise TooLarge(f"regex needs more than {MAX_NFA_STATES} automaton states")
         self.eps.append([])
         self.edges.append([])
+        self.calls.append([])
         return len(self.eps) - 1
 
 
@@ -49,6 +51,10 @@ def _build(nfa: _NFA, node: tuple, start: int) -> int:
     kind = node[0]
     if kind == "avoid":
         return _avoid(nfa, node[1], start)
+    if kind == "call":  # a rule's own automaton reads it (see DFA.calls), then this goes on
+        end = nfa.state()
+        nfa.calls[start].append((node[1], end))
+        return end
     if kind == "set":
         end = nfa.state()
         for lo, hi in node[1]:
@@ -89,7 +95,7 @@ def _avoid(nfa: _NFA, words: tuple[bytes, ...], start: int) -> int:
     no pattern spells): Aho and Corasick's automaton of the words (1975), a state per longest
     suffix read that begins a word, less the transitions that complete one; any state may end.
     """
-    prefixes = sorted({w[:k] for w in words for k in range(len(w))}, key=len)
+    prefixes = sorted({b"", *(w[:k] for w in words for k in range(len(w)))}, key=len)
     state = {p: nfa.state() for p in prefixes}  # b"" (nothing begun) first
     nfa.eps[start].append(state[b""])
     end = nfa.state()
@@ -110,11 +116,15 @@ def _avoid(nfa: _NFA, words: tuple[bytes, ...], start: int) -> int:
 class DFA:
     """``table[s, b]``: the state after byte ``b`` from state ``s``; :data:`DEAD` (0) is the
     state from which nothing matches, and every state that cannot reach a match is folded into
-    it. ``accepting[s]``: whether the bytes read so far match in full. Start: state 1."""
+    it. ``accepting[s]``: whether the bytes read so far match in full. Start: state 1.
+    ``calls[s]``: where a tree's ``("call", rule)`` nodes are (a grammar's recursion, see
+    :mod:`specdec.structured.pushdown`), the rules that may be read from ``s``, each with the
+    state to go on from after it; none in a pattern's DFA."""
 
     table: np.ndarray  # [S, 256] int32
     accepting: np.ndarray  # [S] bool
     start: int = 1
+    calls: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
     def walk(self, state: int, data: bytes) -> int:
         for byte in data:
@@ -128,10 +138,10 @@ class DFA:
 
 
 def compile_tree(tree: tuple, name: str) -> DFA:
-    """A syntax tree (:func:`parse_regex`'s nodes, and ``("avoid", words)``) as a :class:`DFA`;
-    ``name`` says what it is in a :class:`TooLarge` error."""
+    """A syntax tree (:func:`parse_regex`'s nodes, ``("avoid", words)`` and ``("call", rule)``)
+    as a :class:`DFA`; ``name`` says what it is in a :class:`TooLarge` error."""
     deadline = time.monotonic() + MAX_SECONDS
-    nfa = _NFA([], [])
+    nfa = _NFA([], [], [])
     start = nfa.state()
     final = _build(nfa, tree, start)
 
@@ -146,42 +156,53 @@ def compile_tree(tree: tuple, name: str) -> DFA:
 
     ids: dict[frozenset[int], int] = {frozenset(): DEAD}
     rows: list[np.ndarray] = [np.zeros(256, np.int32)]
-    first = closure({start})
-    ids[first], todo = 1, [first]
-    rows.append(np.zeros(256, np.int32))
+    calls: dict[int, list[tuple[int, int]]] = {}
+
+    def state_of(target: frozenset[int]) -> int:
+        if target not in ids:
+            if len(ids) >= MAX_STATES:
+                raise TooLarge(f"{name} needs more than {MAX_STATES} states")
+            ids[target] = len(ids)
+            rows.append(np.zeros(256, np.int32))
+            todo.append(target)
+        return ids[target]
+
+    todo: list[frozenset[int]] = []
+    state_of(closure({start}))
     while todo:
         current = todo.pop()
         if time.monotonic() > deadline:
             raise TooLarge(f"{name} takes over {MAX_SECONDS:.0f} s to compile")
+        at = ids[current]
+        for rule, back in sorted({c for s in current for c in nfa.calls[s]}):
+            calls.setdefault(at, []).append((rule, state_of(closure({back}))))
         edges = [e for s in current for e in nfa.edges[s]]
         if not edges:
             continue
         member = np.stack([_bits(mask) for mask, _ in edges])  # [edges, 256]
         signatures, inverse = np.unique(member.T, axis=0, return_inverse=True)
-        row = rows[ids[current]]
         for k, signature in enumerate(signatures):
-            target = closure({edges[e][1] for e in np.flatnonzero(signature)})
-            if target not in ids:
-                if len(ids) >= MAX_STATES:
-                    raise TooLarge(f"{name} needs more than {MAX_STATES} states")
-                ids[target] = len(ids)
-                rows.append(np.zeros(256, np.int32))
-                todo.append(target)
-            row[inverse.reshape(-1) == k] = ids[target]
+            target = state_of(closure({edges[e][1] for e in np.flatnonzero(signature)}))
+            rows[at][inverse.reshape(-1) == k] = target
     table = np.stack(rows)
     accepting = np.zeros(len(ids), bool)
     for states, i in ids.items():
         accepting[i] = final in states
-    return DFA(_prune(table, accepting), accepting)
+    live = _live(table, accepting, calls)
+    calls = {s: [(r, b) for r, b in c if live[b]] for s, c in calls.items() if live[s]}
+    table = np.where(live[table], table, DEAD).astype(np.int32)
+    return DFA(table, accepting, calls={s: c for s, c in calls.items() if c})
 
 
-def _prune(table: np.ndarray, accepting: np.ndarray) -> np.ndarray:
-    """``table`` with every transition into a state that cannot reach a match sent to DEAD."""
+def _live(table: np.ndarray, accepting: np.ndarray, calls: dict[int, list]) -> np.ndarray:
+    """The states that can reach a match (through a call too: a rule's language is not empty);
+    every transition into another is sent to DEAD."""
     live = accepting.copy()
     while True:
         grown = live | live[table].any(axis=1)
+        for s, called in calls.items():
+            grown[s] |= any(live[back] for _, back in called)
         grown[DEAD] = False
         if (grown == live).all():
-            break
+            return live
         live = grown
-    return np.where(live[table], table, DEAD).astype(np.int32)

@@ -15,19 +15,23 @@ Two notations are read, told apart by how a rule is defined:
   come before any terminal of a rule and at the end: the strings Lark's lexer accepts, token
   boundaries aside); ``//`` comments.
 
-A context-free grammar is not regular, so its recursion is bounded: a rule that calls itself as
-the first or last item of its alternatives only (``list ::= item | item "," list``, or
-``ws ::= (" " ws)?``) is a loop, exactly; any other recursion is expanded while the rule is
-open at most :data:`MAX_DEPTH` times within itself (for ``expr ::= "(" expr ")" | ...``: 3
-levels of parentheses), deeper nesting being no match, as :mod:`specdec.structured.json_schema`
-bounds free-form JSON. Where that DFA passes the compiler's limits, the guide takes the deepest
-bound, down to :data:`MIN_DEPTH`, that fits
-(:meth:`specdec.structured.guide.GuideFactory.for_params`). Outlines and XGrammar follow
-grammars with a parser instead; this keeps one guide for every structured request.
+A context-free grammar is not regular. A rule that calls itself as the first or last item of its
+alternatives only (``list ::= item | item "," list``, or ``ws ::= (" " ws)?``) is a loop,
+exactly, and a grammar whose recursion is all loops is one regular expression. Any other
+recursion (``expr ::= "(" expr ")" | ...``) is written by :func:`grammar_rules` as patterns that
+call each other, ``(?&n)``, where a rule would open within itself, for the pushdown guide of
+:mod:`specdec.structured.pushdown`: nesting is followed as deep as the output goes, as Outlines
+and XGrammar follow grammars with a parser. :func:`grammar_regex` instead expands that recursion
+while the rule is open at most :data:`MAX_DEPTH` times within itself (deeper nesting being no
+match, as :mod:`specdec.structured.json_schema` bounds free-form JSON), for the guides that need
+one DFA (a grammar after a text, ``guide_after``; a structural tag's ``grammar``); where that
+DFA passes the compiler's limits the guide takes the deepest bound, down to :data:`MIN_DEPTH`,
+that fits (:meth:`specdec.structured.guide.GuideFactory.for_params`).
 """
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 
 from specdec.structured.grammar_reader import GrammarReader, Node, closure, read_grammar, refs
@@ -35,6 +39,7 @@ from specdec.structured.regex import Ranges, TooLarge, complement
 
 MAX_DEPTH = 4  # times a recursive rule may be open within itself (fewer if the DFA is too large)
 MIN_DEPTH = 2
+CALL_DEPTH = 1  # the same, for patterns that call rules past it (grammar_rules)
 MAX_PATTERN = 200_000  # characters of the expanded regular expression (TooLarge past it)
 SURROGATES: Ranges = [(0xD800, 0xDFFF)]  # no UTF-8 encoding: never a character of the output
 
@@ -47,11 +52,117 @@ def grammar_regex(text: str, depth: int = MAX_DEPTH) -> str:
     return _Expansion(read_grammar(text), depth).regex()
 
 
+@lru_cache(maxsize=64)
+def grammar_rules(text: str, depth: int = CALL_DEPTH) -> tuple[str, ...]:
+    """The grammar ``text`` as patterns that call each other, its recursion unbounded: where a
+    rule would be open more than ``depth`` times within itself, the pattern calls it instead,
+    ``(?&n)`` for the n-th pattern (:func:`~specdec.structured.regex.parse_regex` with
+    ``calls``); the first pattern is the whole output's. One pattern only: the grammar is
+    regular as written (its recursion loops)."""
+    grammar = read_grammar(text)
+    expansion = _Expansion(grammar, depth, calls=True)
+    cycle = _left_cycle(grammar.rules)
+    if cycle:
+        raise expansion.error(
+            f"rule {cycle[0]!r} is left-recursive (through {' -> '.join(cycle)}): it calls itself "
+            "before any character, which only a rule calling itself directly may do (a loop)"
+        )
+    patterns = [expansion.regex()]
+    while len(patterns) <= len(expansion.called):
+        name, lexical = expansion.called[len(patterns) - 1]
+        pattern = expansion.call(name, (), lexical)
+        assert pattern is not None  # a productive rule (a call is made to no other)
+        patterns.append(pattern)
+    return tuple(patterns)
+
+
+def _left_cycle(rules: dict[str, Node]) -> list[str]:
+    """Rules that call each other before any character, round to the first (none: [])."""
+    nullable: set[str] = set()
+
+    def empty(node: Node) -> bool:  # whether node derives ""
+        kind = node[0]
+        if kind == "ref":
+            return node[1] in nullable
+        if kind in ("seq", "alt"):
+            test = all if kind == "seq" else any
+            return test(empty(n) for n in node[1])
+        if kind == "rep":
+            return node[2] == 0 or empty(node[1])
+        return kind == "re" and re.fullmatch(node[1], "") is not None
+
+    while more := {n for n, body in rules.items() if n not in nullable and empty(body)}:
+        nullable |= more
+
+    def first(node: Node) -> set[str]:  # the rules node may open before any character
+        kind = node[0]
+        if kind == "ref":
+            return {node[1]}
+        if kind == "alt":
+            return set().union(*(first(n) for n in node[1]))
+        if kind == "seq":
+            out: set[str] = set()
+            for n in node[1]:
+                out |= first(n)
+                if not empty(n):
+                    break
+            return out
+        return first(node[1]) if kind == "rep" else set()
+
+    def body(name: str) -> Node:  # a loop's own call is no call (grammar_rules writes a loop)
+        loop = _loop(name, rules[name])
+        return rules[name] if loop is None else ("alt", loop[1] + loop[2])
+
+    edges = {name: first(body(name)) for name in rules}
+    for start in rules:
+        parent: dict[str, str] = {}
+        todo = [start]
+        while todo:
+            at = todo.pop()
+            for nxt in sorted(edges[at]):
+                if nxt == start:
+                    back = [at]
+                    while back[-1] != start:
+                        back.append(parent[back[-1]])
+                    return [*reversed(back), start]
+                if nxt not in parent:
+                    parent[nxt] = at
+                    todo.append(nxt)
+    return []
+
+
+def _productive(rules: dict[str, Node]) -> set[str]:
+    """The rules that derive some string (the others recurse without end, or use such)."""
+    found: set[str] = set()
+
+    def derives(node: Node) -> bool:
+        kind = node[0]
+        if kind == "ref":
+            return node[1] in found
+        if kind == "seq":
+            return all(derives(n) for n in node[1])
+        if kind == "alt":
+            return any(derives(n) for n in node[1])
+        if kind == "rep":
+            return node[2] == 0 or derives(node[1])
+        return kind != "set" or bool(_class(node[1]))
+
+    while True:
+        more = {name for name, body in rules.items() if name not in found and derives(body)}
+        if not more:
+            return found
+        found |= more
+
+
 class _Expansion:
     """A grammar's rules written out as one regular expression from its root."""
 
-    def __init__(self, grammar: GrammarReader, depth: int):
+    def __init__(self, grammar: GrammarReader, depth: int, calls: bool = False):
         self.rules, self.lark, self.depth = grammar.rules, grammar.lark, depth
+        # calls: past the depth a rule is called (its pattern numbered by its place here + 1);
+        # a rule that derives no string (its recursion never ends) matches nothing
+        self.calls, self.called = calls, list[tuple[str, bool]]()
+        self.productive = _productive(self.rules) if calls else set(self.rules)
         self.ignored, self.root = grammar.ignored, grammar.root
         self.groups = _groups(self.rules)
         self.memo: dict[tuple, str | None] = {}
@@ -67,7 +178,8 @@ class _Expansion:
         self.ignore = "(?:" + "|".join(ignored) + ")*" if ignored else None
         pattern = self.emit(("ref", self.root), (), False)
         if pattern is None:
-            raise self.error("the grammar matches no string within its recursion bound")
+            bound = "" if self.calls else " within its recursion bound"
+            raise self.error(f"the grammar matches no string{bound}")
         return pattern + (self.ignore or "")
 
     def emit(self, node: Node, open_rules: tuple[str, ...], lexical: bool) -> str | None:
@@ -108,8 +220,12 @@ class _Expansion:
         key = (name, lexical, tuple(open_rules.count(r) for r in sorted(group)))
         if key in self.memo:
             return self.memo[key]
-        if open_rules.count(name) >= self.depth:
+        if name not in self.productive or (open_rules.count(name) >= self.depth and not self.calls):
             return None
+        if open_rules.count(name) >= self.depth:
+            if (name, lexical) not in self.called:
+                self.called.append((name, lexical))
+            return f"(?&{self.called.index((name, lexical)) + 1})"
         inner = (*open_rules, name)
         loop = _loop(name, self.rules[name])
         if loop is None:

@@ -20,18 +20,20 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
 
 from specdec.structured.after import after_text
-from specdec.structured.grammar import MAX_DEPTH, MIN_DEPTH, grammar_regex
+from specdec.structured.grammar import MAX_DEPTH, MIN_DEPTH, grammar_regex, grammar_rules
 from specdec.structured.json_schema import schema_regex
 from specdec.structured.params import GUIDES
-from specdec.structured.regex import DEAD, DFA, TooLarge, compile_regex, compile_tree
+from specdec.structured.pushdown import PushdownGuide
+from specdec.structured.regex import DEAD, DFA, TooLarge, compile_regex, compile_tree, parse_regex
 from specdec.structured.structural_tag import structural_tag_tree
 
+G = TypeVar("G", bound="RegexGuide | PushdownGuide")
 END = -1  # a choice trie's key for "a whole choice ends here"
 GUIDE_CACHE = 32  # compiled patterns an engine keeps
 MASKS_KEPT = 4096  # token masks a pattern keeps (25 MB at SmolLM2's vocabulary)
@@ -196,7 +198,7 @@ class GuideFactory:
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]):
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, eos_token_ids
         self._vocabulary: Vocabulary | None = None
-        self._cache: OrderedDict[str, RegexGuide] = OrderedDict()
+        self._cache: OrderedDict[str, RegexGuide | PushdownGuide] = OrderedDict()
         # a grammar's recursion bound, or why it was refused (see _grammar)
         self._grammars: dict[str, int | str] = {}
         self._lock = threading.Lock()
@@ -217,13 +219,31 @@ class GuideFactory:
             return self._regex("|".join(re.escape(c) for c in params.choice), after)
         if params.regex is not None:
             return self._regex(params.regex, after)
-        if params.grammar is not None:
+        if params.grammar is not None and after[0] is None:
+            return self._grammar(params.grammar)
+        if params.grammar is not None:  # after a text: a bounded grammar's DFA
             text = params.grammar
             grammar = lambda depth: self._regex(grammar_regex(text, depth), after)  # noqa: E731
             return self._bounded("grammar", text, grammar)
         if params.structural_tag is not None:
             return self._structural_tag(params.structural_tag, after)
         return self._regex(schema_regex(params.json_schema), after)
+
+    def _grammar(self, text: str) -> Guide:
+        """A grammar's guide: its DFA where its recursion is loops only, else a
+        :class:`PushdownGuide` over its rules' DFAs (compiled once, kept)."""
+        rules = grammar_rules(text)
+        if len(rules) == 1:
+            return self._regex(rules[0])
+        key = f"pushdown\0{text}"
+        with self._lock:
+            guide = self._cache.get(key)
+            if guide is not None:
+                self._cache.move_to_end(key)
+                return guide
+        compiled = {p: compile_tree(parse_regex(p, calls=True), "grammar") for p in set(rules)}
+        guide = PushdownGuide([compiled[p] for p in rules], self._vocabulary_of())
+        return self._keep_guide(key, guide)
 
     def _structural_tag(self, spec: str | dict, after: tuple[str | None, str]) -> RegexGuide:
         """A structural tag's guide (:mod:`specdec.structured.structural_tag`); the recursion of
@@ -289,15 +309,23 @@ class GuideFactory:
             guide = self._cache.get(key)
             if guide is not None:
                 self._cache.move_to_end(key)
+                assert isinstance(guide, RegexGuide)
                 return guide
-            if self._vocabulary is None:
-                self._vocabulary = Vocabulary(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        dfa = compile()
+        dfa, vocabulary = compile(), self._vocabulary_of()
         if text is None:
-            guide = RegexGuide(dfa, self._vocabulary)
+            guide = RegexGuide(dfa, vocabulary)
         else:
             joined, free = after_text(text.encode(), dfa, opening.encode())
-            guide = AfterTextGuide(joined, self._vocabulary, free)
+            guide = AfterTextGuide(joined, vocabulary, free)
+        return self._keep_guide(key, guide)
+
+    def _vocabulary_of(self) -> Vocabulary:
+        with self._lock:
+            if self._vocabulary is None:
+                self._vocabulary = Vocabulary(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            return self._vocabulary
+
+    def _keep_guide(self, key: str, guide: G) -> G:
         with self._lock:
             self._cache[key] = guide
             if len(self._cache) > GUIDE_CACHE:

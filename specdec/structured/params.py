@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from specdec.structured.grammar import MIN_DEPTH, grammar_regex
+from specdec.structured.grammar import MAX_DEPTH, grammar_rules
 from specdec.structured.json_schema import schema_regex
 from specdec.structured.regex import parse_regex
 from specdec.structured.structural_tag import structural_tag_tree
@@ -114,13 +114,14 @@ def check_guides(params: Any) -> None:  # noqa: ANN401 - a SamplingParams (which
             isinstance(params.grammar, str) and params.grammar.strip(),
             f"grammar must be a non-empty string, got {params.grammar!r}",
         )
-        parse_regex(grammar_regex(params.grammar, MIN_DEPTH))  # the guide's depth: its DFA's
+        for rule in grammar_rules(params.grammar):  # the guide's patterns
+            parse_regex(rule, calls=True)
     if params.structural_tag is not None:
         _require(
             isinstance(params.structural_tag, (str, dict)),
             f"structural_tag must be its JSON text or an object, got {params.structural_tag!r}",
         )
-        structural_tag_tree(params.structural_tag, MIN_DEPTH)
+        structural_tag_tree(params.structural_tag, MAX_DEPTH)
     guides = [n for n in GUIDES if getattr(params, n) is not None]
     _require(len(guides) <= 1, f"give one of {', '.join(GUIDES)}, not {guides}")
     _require(

@@ -65,8 +65,8 @@ def shown(pattern: str, limit: int = 80) -> str:
 class _Parser:
     """A recursive-descent parser of the supported subset (see the module docstring)."""
 
-    def __init__(self, pattern: str):
-        self.p, self.i, self.depth = pattern, 0, 0
+    def __init__(self, pattern: str, calls: bool = False):
+        self.p, self.i, self.depth, self.calls = pattern, 0, 0, calls
 
     def error(self, what: str) -> ValueError:
         return ValueError(f"regex {shown(self.p)}: {what} at position {self.i}")
@@ -135,6 +135,10 @@ class _Parser:
         c = self.p[self.i]
         self.i += 1
         if c == "(":
+            if self.p.startswith("?&", self.i) and self.calls:  # a grammar's rule, by number
+                end = self.p.index(")", self.i)
+                rule, self.i = int(self.p[self.i + 2 : end]), end + 1
+                return ("call", rule)
             if self.p.startswith("?:", self.i):
                 self.i += 2
             elif self.peek() == "?":
@@ -214,9 +218,11 @@ class _Parser:
 # -- Thompson NFA over bytes, then the DFA
 
 
-def parse_regex(pattern: str) -> tuple:
-    """``pattern``'s syntax tree, as :func:`compile_tree` takes it (ValueError if unsupported)."""
-    return _Parser(pattern).parse()
+def parse_regex(pattern: str, calls: bool = False) -> tuple:
+    """``pattern``'s syntax tree, as :func:`compile_tree` takes it (ValueError if unsupported);
+    ``calls``: read ``(?&n)``, PCRE's call of group n, as a call of a grammar's rule n (the
+    patterns :func:`specdec.structured.grammar.grammar_rules` writes)."""
+    return _Parser(pattern, calls).parse()
 
 
 def compile_regex(pattern: str) -> DFA:

@@ -1,0 +1,136 @@
+"""The pushdown guide of recursive grammars: the strings it takes against brute-force checks
+(nesting to any depth, ambiguity, left recursion through other rules), and its masks, found
+for all tokens at once, against reading each token alone, on SmolLM2's vocabulary, whose
+tokens close and open several levels at once."""
+
+import itertools
+import re
+
+import pytest
+from transformers import AutoTokenizer
+
+from specdec import SamplingParams
+from specdec.loader import default_model_dir
+from specdec.structured.guide import GuideFactory
+from specdec.structured.pushdown import PushdownGuide
+from tests.test_grammar import JSON_EBNF, accepted
+
+BALANCED = 'root ::= "(" root ")" root | ""'  # neither end is a loop: a call
+MORE_A = 'root ::= "a" root "b" | "a" root | ""'  # a^n b^m, m <= n: ambiguous
+
+
+def balanced(text: str) -> bool:
+    depth = 0
+    for c in text:
+        depth += 1 if c == "(" else -1
+        if depth < 0:
+            return False
+    return depth == 0
+
+
+@pytest.mark.parametrize(
+    "grammar, alphabet, reference",
+    [
+        (BALANCED, "()", balanced),
+        (
+            MORE_A,
+            "ab",
+            lambda t: re.fullmatch("(a*)(b*)", t) is not None and t.count("b") <= t.count("a"),
+        ),  # fmt: skip
+        (  # a left-recursive loop, then a call
+            'root ::= e\ne ::= e "+" t | t\nt ::= "(" e ")" | "1"',
+            "(+1)",
+            lambda t: _sums(t),
+        ),
+    ],
+)
+def test_a_recursive_grammar_takes_exactly_its_strings(make_llm, grammar, alphabet, reference):
+    """Every string of up to 10 characters (7 of 4 letters; one token each, the byte
+    tokenizer's)."""
+    llm = make_llm()
+    guide = llm.engine.guides.for_params(SamplingParams(grammar=grammar))
+    assert isinstance(guide, PushdownGuide)
+    for n in range(11 if len(alphabet) < 4 else 8):
+        for letters in itertools.product(alphabet, repeat=n):
+            text = "".join(letters)
+            assert accepted(guide, llm.tokenizer, text) == reference(text), text
+
+
+def test_nesting_past_any_bound_is_followed(make_llm):
+    llm = make_llm()
+    guide = llm.engine.guides.for_params(SamplingParams(grammar=BALANCED))
+    assert accepted(guide, llm.tokenizer, "(" * 200 + ")" * 200 + "()")
+    assert not accepted(guide, llm.tokenizer, "(" * 200 + ")" * 199)
+
+
+def _sums(text: str) -> bool:
+    """Whether ``text`` is a sum of 1s and bracketed sums: brackets around a sum reduce to 1,
+    innermost first, until what is left is a sum."""
+    while (reduced := re.sub(r"\((1(\+1)*)\)", "1", text)) != text:
+        text = reduced
+    return re.fullmatch(r"1(\+1)*", text) is not None
+
+
+def test_grammars_it_cannot_follow_are_refused():
+    with pytest.raises(ValueError, match="the grammar matches no string"):
+        SamplingParams(grammar='root ::= "(" root ")"')  # no end to its nesting
+    params = SamplingParams(grammar='root ::= x | "b"\nx ::= "(" x ")" x')  # x never ends
+    assert params.grammar is not None
+    with pytest.raises(ValueError, match=r"rule 'a' is left-recursive \(through a -> b -> a\)"):
+        SamplingParams(grammar='root ::= a\na ::= b "x" | "y"\nb ::= a "z"')
+    hidden = 'root ::= a\na ::= q? b "x" | "y"\nb ::= a "z"\nq ::= "q"'  # behind what may be ""
+    with pytest.raises(ValueError, match=r"through a -> b -> a"):
+        SamplingParams(grammar=hidden)
+
+
+C = r"""
+root ::= (declaration)*
+declaration ::= dataType identifier "(" parameter? ")" "{" statement* "}"
+dataType  ::= "int" ws | "float" ws | "char" ws
+identifier ::= [a-zA-Z_] [a-zA-Z_0-9]*
+parameter ::= dataType identifier
+statement ::= ( dataType identifier ws "=" ws expression ";" ) |
+    ( identifier ws "=" ws expression ";" ) | ( "return" ws expression ";" ) |
+    ( "while" "(" condition ")" "{" statement* "}" ) |
+    ( "if" "(" condition ")" "{" statement* "}" ("else" "{" statement* "}")? )
+condition ::= expression relationOperator expression
+relationOperator ::= ("<=" | "<" | "==" | "!=" | ">=" | ">")
+expression ::= term (("+" | "-") term)*
+term ::= factor(("*" | "/") factor)*
+factor ::= identifier | number | unaryTerm | funcCall | parenExpression
+unaryTerm ::= "-" factor
+funcCall ::= identifier "(" argList? ")"
+parenExpression ::= "(" ws expression ws ")"
+argList ::= expression ("," ws expression)*
+number ::= [0-9]+
+ws ::= ([ \t\n]+)
+"""  # after llama.cpp's example C grammar: statements and expressions within each other
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    "grammar, text",
+    [
+        (JSON_EBNF, '{"a": [[[{"b": [1, {"c": {"d": [[]]}}]}]]], "e": "x\\n"}'),
+        (C, "int f(int x){while(x<10){if(x==3){x = ( f(x-1)*( -2 ) );}}return x;}"),
+    ],
+)
+def test_masks_match_each_token_read_alone_on_a_real_vocabulary(grammar, text):
+    """SmolLM2's tokens (``"}]},``, ``"((("``) pop and push several levels within one token:
+    at each state the text passes through, the mask found for all tokens at once allows a
+    token exactly where reading that token alone leaves the grammar's strings reachable."""
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    eos = (tokenizer.eos_token_id,)
+    guide = GuideFactory(tokenizer, len(tokenizer), eos).for_params(SamplingParams(grammar=grammar))
+    assert isinstance(guide, PushdownGuide)
+    state = guide.start()
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    for i, token in enumerate(ids):
+        mask = guide.allowed(state)
+        assert mask[token]
+        if i % 4 == 0:
+            alone = [guide.advance(state, t) is not None for t in range(len(tokenizer))]
+            alone[eos[0]] = bool(mask[eos[0]])
+            assert mask.tolist() == alone, tokenizer.decode(ids[: i + 1])
+        state = guide.advance(state, token)
+    assert guide.allowed(state)[eos[0]]  # a whole derivation: the end may come
