@@ -13,8 +13,10 @@ from specdec import SamplingParams, SpecConfig, StructuredOutputsParams
 from specdec.structured import automaton
 from specdec.structured import guide as guide_module
 from specdec.structured import regex as regex_module
+from specdec.structured.pushdown import PushdownGuide
 from specdec.structured.regex import DFA, compile_tree
 from specdec.structured.structural_tag import structural_tag_tree
+from tests.test_grammar import accepted
 from tests.test_penalties import OracleDrafter
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -189,14 +191,21 @@ def test_bad_structural_tags_are_refused_precisely(spec, message):
 
 
 def test_a_structural_tag_with_a_grammar_too_large_is_followed_less_deep(make_llm, monkeypatch):
-    """A grammar in a structural tag is bounded as a grammar is (its deepest bound whose DFA
-    fits); without a grammar a tag too large is refused at once, not compiled again."""
+    """A recursive grammar (or free-form JSON) in a structural tag is a pushdown guide's rule,
+    followed to any depth; after a text (one DFA) it is bounded as a grammar is (its deepest
+    bound whose DFA fits); a tag too large is refused at once, not compiled again."""
     nested = {"format": {"type": "tag", "begin": "<a>", "end": "</a>", "content": {
         "type": "grammar", "grammar": 'root ::= "(" root ")" | "x"'}}}  # fmt: skip
     monkeypatch.setattr(automaton, "MAX_STATES", 16)
-    guides = make_llm().engine.guides
-    dfa = guides.for_params(SamplingParams(structural_tag=json.dumps(nested))).dfa
-    assert dfa.fullmatch("<a>((x))</a>") and not dfa.fullmatch("<a>(((x)))</a>")
+    llm = make_llm()
+    guides = llm.engine.guides
+    deep = guides.for_params(SamplingParams(structural_tag=json.dumps(nested)))
+    assert isinstance(deep, PushdownGuide)
+    assert accepted(deep, llm.tokenizer, "<a>" + "(" * 30 + "x" + ")" * 30 + "</a>")
+    assert not accepted(deep, llm.tokenizer, "<a>" + "(" * 30 + "x" + ")" * 29 + "</a>")
+    params = SamplingParams(structural_tag=json.dumps(nested), guide_after="</think>")
+    dfa = guides.for_params(params).dfa
+    assert dfa.fullmatch("</think><a>((x))</a>") and not dfa.fullmatch("</think><a>(((x)))</a>")
     compiles = []
     monkeypatch.setattr(guide_module, "compile_tree", lambda t, n: compiles.append(t) or (
         regex_module.compile_tree(t, n)))  # fmt: skip
@@ -318,3 +327,17 @@ def test_a_tag_opened_by_the_model_holds_its_content_to_the_schema(make_llm, tem
         call = json.loads(body[: body.index("\n</tool_call>")])  # closed within 96 tokens
         assert call["name"] == "f" and call["arguments"]["n"] in (1, 2), text
         assert dfa_of(json.dumps(hermes)).fullmatch(llm.decode(ids[:-1]) if ended(ids) else text)
+
+
+def test_free_form_json_in_a_tag_nests_to_any_depth(make_llm):
+    """A tool whose arguments are any JSON object: its tag's content is the free-form value's
+    rule, called as deep as the output nests; the free text around it stays free."""
+    spec = {"triggers": ["<f="], "structures": [
+        {"begin": "<f=a>", "schema": {"type": "object"}, "end": "</f>"}]}  # fmt: skip
+    llm = make_llm()
+    guide = llm.engine.guides.for_params(SamplingParams(structural_tag=spec))
+    assert isinstance(guide, PushdownGuide)
+    call = '<f=a>{"x": ' + "[" * 25 + "1" + "]" * 25 + "}</f>"
+    assert accepted(guide, llm.tokenizer, f"text {call} more {call}")
+    assert not accepted(guide, llm.tokenizer, "text " + call.replace("}</f>", "}}</f>"))
+    assert not accepted(guide, llm.tokenizer, "text " + call.replace("]}", "}"))

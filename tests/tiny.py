@@ -63,8 +63,12 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides):  # noqa: ANN201
     return model.eval()
 
 
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:  # noqa: ANN001
-    """transformers' own greedy generate, one prompt at a time (no padding)."""
+def hf_greedy(  # noqa: ANN001
+    model, prompt_ids: list[int], max_new_tokens: int, use_cache: bool = True
+) -> list[int]:
+    """transformers' own greedy generate, one prompt at a time (no padding); ``use_cache=False``
+    recomputes every position at each step (its cached steps round differently: where int8
+    activations amplify that, only the recomputed reference is stable)."""
     out = model.generate(
         torch.tensor([prompt_ids]),
         max_new_tokens=max_new_tokens,
@@ -72,5 +76,6 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:  
         eos_token_id=None,
         pad_token_id=0,
         min_new_tokens=max_new_tokens,
+        use_cache=use_cache,
     )
     return out[0, len(prompt_ids) :].tolist()

@@ -19,7 +19,8 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
@@ -27,11 +28,11 @@ import torch
 
 from specdec.structured.after import after_text
 from specdec.structured.grammar import MAX_DEPTH, MIN_DEPTH, grammar_regex, grammar_rules
-from specdec.structured.json_schema import schema_regex
+from specdec.structured.json_schema import schema_regex, schema_rules
 from specdec.structured.params import GUIDES
 from specdec.structured.pushdown import PushdownGuide
 from specdec.structured.regex import DEAD, DFA, TooLarge, compile_regex, compile_tree, parse_regex
-from specdec.structured.structural_tag import structural_tag_tree
+from specdec.structured.structural_tag import structural_tag_rules, structural_tag_tree
 
 G = TypeVar("G", bound="RegexGuide | PushdownGuide")
 END = -1  # a choice trie's key for "a whole choice ends here"
@@ -220,35 +221,62 @@ class GuideFactory:
         if params.regex is not None:
             return self._regex(params.regex, after)
         if params.grammar is not None and after[0] is None:
-            return self._grammar(params.grammar)
+            return self._rules(f"grammar\0{params.grammar}", grammar_rules(params.grammar))
         if params.grammar is not None:  # after a text: a bounded grammar's DFA
             text = params.grammar
             grammar = lambda depth: self._regex(grammar_regex(text, depth), after)  # noqa: E731
             return self._bounded("grammar", text, grammar)
         if params.structural_tag is not None:
             return self._structural_tag(params.structural_tag, after)
-        return self._regex(schema_regex(params.json_schema), after)
+        if after[0] is None:
+            schema = params.json_schema
+            key = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True)
+            return self._rules(f"json\0{key}", schema_rules(schema))
+        return self._regex(schema_regex(params.json_schema), after)  # one DFA, nesting bounded
 
-    def _grammar(self, text: str) -> Guide:
-        """A grammar's guide: its DFA where its recursion is loops only, else a
-        :class:`PushdownGuide` over its rules' DFAs (compiled once, kept)."""
-        rules = grammar_rules(text)
+    def _rules(self, name: str, rules: tuple[str, ...]) -> Guide:
+        """The guide of patterns that call each other (a grammar's, a schema's): the DFA of
+        the one pattern where there are no calls, else a :class:`PushdownGuide` over the
+        patterns' DFAs (compiled once, kept)."""
         if len(rules) == 1:
             return self._regex(rules[0])
-        key = f"pushdown\0{text}"
+        compiled: dict[str, DFA] = {}
+
+        def dfa(pattern: str) -> DFA:  # patterns repeat (a rule that is the whole output)
+            if pattern not in compiled:
+                compiled[pattern] = compile_tree(
+                    parse_regex(pattern, calls=True), name.split("\0")[0]
+                )
+            return compiled[pattern]
+
+        return self._pushdown(name, [partial(dfa, p) for p in rules])
+
+    def _pushdown(self, name: str, compiles: Sequence[Callable[[], DFA]]) -> Guide:
+        """The :class:`PushdownGuide` of the DFAs ``compiles`` give, compiled once, kept."""
+        key = f"pushdown\0{name}"
         with self._lock:
             guide = self._cache.get(key)
             if guide is not None:
                 self._cache.move_to_end(key)
                 return guide
-        compiled = {p: compile_tree(parse_regex(p, calls=True), "grammar") for p in set(rules)}
-        guide = PushdownGuide([compiled[p] for p in rules], self._vocabulary_of())
+        guide = PushdownGuide([compile() for compile in compiles], self._vocabulary_of())
         return self._keep_guide(key, guide)
 
-    def _structural_tag(self, spec: str | dict, after: tuple[str | None, str]) -> RegexGuide:
-        """A structural tag's guide (:mod:`specdec.structured.structural_tag`); the recursion of
+    def _structural_tag(self, spec: str | dict, after: tuple[str | None, str]) -> Guide:
+        """A structural tag's guide (:mod:`specdec.structured.structural_tag`): a pushdown
+        guide where its schemas or grammars call rules; after a text, one DFA, the recursion of
         a grammar in it bounded as a grammar's is (:meth:`_bounded`)."""
         key = f"structural_tag\0{spec if isinstance(spec, str) else json.dumps(spec)}"
+        if after[0] is None:
+            trees = structural_tag_rules(spec)
+            try:
+                if len(trees) == 1:
+                    root = trees[0]
+                    return self._guide(key, lambda: compile_tree(root, "structural_tag"), after)
+                compiles = [partial(compile_tree, t, "structural_tag") for t in trees]
+                return self._pushdown(key, compiles)
+            except TooLarge as e:
+                raise ValueError(f"structural_tag: too large: {e}") from None
 
         def guide(depth: int) -> RegexGuide:
             tree, bounded = structural_tag_tree(spec, depth)

@@ -4,15 +4,16 @@ accepts, as Outlines (Willard and Louf 2023) builds one for guided generation.
 Objects list their properties in the schema's order: required ones always, optional ones where
 the model chooses, and no others. Between JSON tokens at most one space is allowed
 (:data:`WHITESPACE`), as in Outlines: a small model offered free whitespace can spend its whole
-budget on it. Free-form values (``{}``, ``true``, an object without ``properties``,
-``response_format: json_object``) nest at most :data:`FREE_DEPTH` levels: JSON itself is not
-regular, so some depth must be fixed.
+budget on it. JSON itself is not regular: :func:`schema_rules` writes free-form values (``{}``,
+``true``, an object without ``properties``, ``response_format: json_object``) and recursive
+``$ref`` targets as rules of their own, which the pushdown guide follows to any depth, while
+:func:`schema_regex` (one pattern, for the guides that need one DFA) nests free-form values at
+most :data:`FREE_DEPTH` levels and follows ``$ref`` at most :data:`MAX_REF_DEPTH` deep.
 
 Supported keywords: ``type`` (one or a list), ``properties``, ``required``, ``items``,
 ``minItems``, ``maxItems``, ``enum``, ``const``, ``anyOf``, ``oneOf``, a one-item ``allOf``,
 ``minLength``, ``maxLength``, ``pattern``, ``format`` (``date``, ``time``, ``date-time``,
-``uuid``), ``$ref`` into ``$defs`` / ``definitions`` (at most :data:`MAX_REF_DEPTH` deep, so a
-recursive schema is cut there), and the annotations that constrain nothing (``title``,
+``uuid``), ``$ref`` into ``$defs`` / ``definitions`` (recursive ones too), and the annotations that constrain nothing (``title``,
 ``description``, ``default``, ``examples``, ``$schema``, ``$id``, ``additionalProperties``).
 Any other keyword is refused by name rather than silently ignored.
 """
@@ -22,6 +23,8 @@ from __future__ import annotations
 import json
 import re
 from typing import Any
+
+from specdec.structured.regex import parse_regex
 
 WHITESPACE = r"[ ]?"
 STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
@@ -49,6 +52,22 @@ KEYWORDS = ANNOTATIONS | {"type", "properties", "required", "items", "minItems",
 def schema_regex(schema: dict[str, Any] | bool | str, whitespace: str = WHITESPACE) -> str:
     """The regular expression of ``schema`` (a dict, a boolean, or its JSON text);
     ``whitespace``: the pattern allowed between JSON tokens."""
+    return _Builder(_loaded(schema), whitespace).value(_loaded(schema), 0)
+
+
+def schema_rules(
+    schema: dict[str, Any] | bool | str, whitespace: str = WHITESPACE
+) -> tuple[str, ...]:
+    """``schema`` as patterns that call each other (``(?&n)``: the n-th), the first the whole
+    document's, for the pushdown guide (:mod:`specdec.structured.pushdown`): free-form values
+    and recursive ``$ref`` targets are rules of their own, so they nest to any depth. One
+    pattern where the schema has neither (it is :func:`schema_regex`'s)."""
+    builder = _Builder(_loaded(schema), whitespace, calls=True)
+    root = builder.value(builder.root, 0)
+    return (root, *builder.rules)
+
+
+def _loaded(schema: dict[str, Any] | bool | str) -> dict[str, Any] | bool:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -56,7 +75,7 @@ def schema_regex(schema: dict[str, Any] | bool | str, whitespace: str = WHITESPA
             raise ValueError(f"json_schema is not valid JSON: {e}") from None
     if not isinstance(schema, (dict, bool)):
         raise ValueError(f"json_schema must be an object, got {type(schema).__name__}")
-    return _Builder(schema, whitespace).value(schema, 0)
+    return schema
 
 
 def free_json_regex(depth: int = FREE_DEPTH, top_object: bool = False, w: str = WHITESPACE) -> str:
@@ -92,12 +111,39 @@ def _literal(value: Any) -> str:
 
 
 class _Builder:
-    def __init__(self, root: dict[str, Any] | bool, whitespace: str):
+    def __init__(self, root: dict[str, Any] | bool, whitespace: str, calls: bool = False):
         self.w = f"(?:{whitespace})" if whitespace and whitespace != WHITESPACE else whitespace
-        self.depth = 0  # schemas within schemas, now
+        self.root, self.depth = root, 0  # depth: schemas within schemas, now
         self.defs: dict[str, Any] = {}
         if isinstance(root, dict):
             self.defs = {**root.get("definitions", {}), **root.get("$defs", {})}
+        # calls (schema_rules): the rules' patterns (rule n is rules[n - 1]), the rule of each
+        # recursive $defs entry and of a free-form value, and the entries being written out
+        self.calls, self.rules = calls, list[str]()
+        self.called: dict[str, int] = {}
+        self.open: list[str] = []
+
+    def free(self, top_object: bool = False) -> str:
+        """A free-form value (an object, if ``top_object``)."""
+        if not self.calls:
+            return free_json_regex(top_object=top_object, w=self.w)
+        if "" not in self.called:  # the free-form value's rule calls itself where it nests
+            call = self.rule("")
+            obj = _object_of(f"{STRING}{self.w}:{self.w}{call}", self.w)
+            scalars = "|".join(SCALARS.values())
+            self.rules[self.called[""] - 1] = (
+                f"(?:{scalars}|{obj}|{_sequence(call, 0, None, self.w)})"
+            )
+        call = self.rule("")
+        return _object_of(f"{STRING}{self.w}:{self.w}{call}", self.w) if top_object else call
+
+    def rule(self, key: str) -> str:
+        """The call of rule ``key`` ("" the free-form value's, else a $defs entry's), numbered
+        the first time."""
+        if key not in self.called:
+            self.rules.append("")
+            self.called[key] = len(self.rules)
+        return f"(?&{self.called[key]})"
 
     def value(self, schema: dict[str, Any] | bool, refs: int) -> str:
         self.depth += 1
@@ -110,7 +156,7 @@ class _Builder:
 
     def _value(self, schema: dict[str, Any] | bool, refs: int) -> str:
         if schema is True or schema == {}:
-            return free_json_regex(w=self.w)
+            return self.free()
         if schema is False:
             raise ValueError("json_schema false accepts nothing")
         unknown = sorted(set(schema) - KEYWORDS)
@@ -133,7 +179,7 @@ class _Builder:
         if kind is None:
             kind = "object" if "properties" in schema else "array" if "items" in schema else None
         if kind is None:
-            return free_json_regex(w=self.w)
+            return self.free()
         if isinstance(kind, list):
             return "(?:" + "|".join(self.typed(schema, k, refs) for k in kind) + ")"
         return self.typed(schema, kind, refs)
@@ -142,6 +188,19 @@ class _Builder:
         name = ref.split("/")[-1]
         if not re.fullmatch(r"#/(\$defs|definitions)/[^/]+", ref) or name not in self.defs:
             raise ValueError(f"json_schema $ref {ref!r} does not name an entry of $defs")
+        if self.calls and name in self.open:  # recursion: the entry's own rule
+            if name not in self.called:
+                call, outer, self.open = self.rule(name), self.open, [name]
+                self.rules[self.called[name] - 1] = self.value(self.defs[name], 0)
+                self.open = outer
+                return call
+            return self.rule(name)
+        if self.calls:
+            self.open.append(name)
+            try:
+                return self.value(self.defs[name], 0)
+            finally:
+                self.open.pop()
         if refs >= MAX_REF_DEPTH:
             raise ValueError(
                 f"json_schema $ref {ref!r} nests more than {MAX_REF_DEPTH} deep (recursion?)"
@@ -158,13 +217,15 @@ class _Builder:
             return _sequence(item, schema.get("minItems", 0), schema.get("maxItems"), self.w)
         if kind == "object":
             if "properties" not in schema:
-                return free_json_regex(top_object=True, w=self.w)
+                return self.free(top_object=True)
             return self.object(schema, refs)
         raise ValueError(f"json_schema type {kind!r} is not a JSON type")
 
     def string(self, schema: dict[str, Any]) -> str:
         if "pattern" in schema:
-            return '"' + schema["pattern"].removeprefix("^").removesuffix("$") + '"'
+            pattern = schema["pattern"].removeprefix("^").removesuffix("$")
+            parse_regex(pattern)  # its own syntax: no (?&n) call of a rule
+            return f'"{pattern}"'
         if "format" in schema:
             if schema["format"] not in FORMATS:
                 raise ValueError(f"json_schema string format {schema['format']!r} is not supported")

@@ -7,10 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from specdec.structured.grammar import MAX_DEPTH, grammar_rules
-from specdec.structured.json_schema import schema_regex
+from specdec.structured.grammar import grammar_rules
+from specdec.structured.json_schema import schema_regex, schema_rules
 from specdec.structured.regex import parse_regex
-from specdec.structured.structural_tag import structural_tag_tree
+from specdec.structured.structural_tag import structural_tag_rules
 
 # SamplingParams' guide fields
 GUIDES = ("choice", "regex", "json_schema", "grammar", "structural_tag")
@@ -108,7 +108,8 @@ def check_guides(params: Any) -> None:  # noqa: ANN401 - a SamplingParams (which
     if regex is not None:
         parse_regex(regex)
     if schema is not None:
-        parse_regex(schema_regex(schema))
+        for rule in schema_rules(schema):  # the guide's patterns
+            parse_regex(rule, calls=True)
     if params.grammar is not None:
         _require(
             isinstance(params.grammar, str) and params.grammar.strip(),
@@ -121,7 +122,7 @@ def check_guides(params: Any) -> None:  # noqa: ANN401 - a SamplingParams (which
             isinstance(params.structural_tag, (str, dict)),
             f"structural_tag must be its JSON text or an object, got {params.structural_tag!r}",
         )
-        structural_tag_tree(params.structural_tag, MAX_DEPTH)
+        structural_tag_rules(params.structural_tag)
     guides = [n for n in GUIDES if getattr(params, n) is not None]
     _require(len(guides) <= 1, f"give one of {', '.join(GUIDES)}, not {guides}")
     _require(

@@ -47,6 +47,9 @@ class PushdownGuide:
         self.moves: OrderedDict[Config, frozenset[Config]] = OrderedDict()
         self.calling = []  # per automaton, [S] bool: states that may call a pattern
         for dfa in dfas:
+            called = {rule for calls in dfa.calls.values() for rule, _ in calls}
+            if not called <= set(range(1, len(dfas))):
+                raise ValueError(f"a pattern calls rule {max(called)} of {len(dfas) - 1}")
             calling = np.zeros(len(dfa.accepting), bool)
             calling[list(dfa.calls)] = True
             self.calling.append(calling)

@@ -30,8 +30,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from specdec.structured.grammar import grammar_regex
-from specdec.structured.json_schema import schema_regex
+from specdec.structured.grammar import grammar_regex, grammar_rules
+from specdec.structured.json_schema import schema_regex, schema_rules
 from specdec.structured.regex import TooLarge, parse_regex
 
 MAX_WORDS = 10_000  # bytes of triggers, ends and excluded strings (their automaton's states)
@@ -79,21 +79,46 @@ def read_structural_tag(spec: str | dict[str, Any]) -> dict[str, Any]:
 def structural_tag_tree(spec: str | dict[str, Any], depth: int) -> tuple[tuple, bool]:
     """A structural tag's syntax tree, a grammar's recursion in it expanded ``depth`` deep; and
     whether it holds a grammar (a smaller ``depth`` may then give a smaller tree)."""
-    builder, f = _Builder(depth), read_structural_tag(spec)
+    builder = _Builder(depth)
+    return _built(spec, builder), builder.grammars > 0
+
+
+def _built(spec: str | dict[str, Any], builder: _Builder) -> tuple:
+    """The tree ``builder`` writes for ``spec``; an error in the first spelling's names."""
+    f = read_structural_tag(spec)
     try:
-        tree = builder.format(f, "structural_tag.format")
+        return builder.format(f, "structural_tag.format")
     except ValueError as e:
         if "structures" not in (json.loads(spec) if isinstance(spec, str) else spec):
             raise
-        # the first spelling's error in its own names
         where = str(e).replace("format.tags[", "structures[").replace(".content.json_", ".")
         raise type(e)(where.replace("structural_tag.format.", "structural_tag.")) from None
-    return tree, builder.grammars > 0
+
+
+def structural_tag_rules(spec: str | dict[str, Any]) -> list[tuple]:
+    """A structural tag's syntax trees for the pushdown guide: the whole output's first, then
+    the rules its schemas and grammars call (free-form JSON, recursive rules: any depth)."""
+    builder = _Builder(0, calls=True)
+    tree = _built(spec, builder)
+    return [tree, *builder.rules]
 
 
 class _Builder:
-    def __init__(self, depth: int):
+    def __init__(self, depth: int, calls: bool = False):
         self.depth, self.words, self.grammars = depth, 0, 0
+        self.calls, self.rules = calls, list[tuple]()  # calls: rules' trees (rule n: [n - 1])
+
+    def _rules(self, patterns: Any, where: str) -> tuple:  # noqa: ANN401 - () -> tuple[str]
+        """The first of the patterns ``patterns()`` gives, as a tree, the others kept as rules,
+        their calls numbered after the rules kept before."""
+        try:
+            trees = [parse_regex(p, calls=True) for p in patterns()]
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        offset = len(self.rules)
+        trees = [_renumber(t, offset) for t in trees]
+        self.rules += trees[1:]
+        return trees[0]
 
     def format(self, f: Any, where: str) -> tuple:  # noqa: ANN401
         _require(isinstance(f, dict) and "type" in f, where, 'must be an object with a "type"')
@@ -115,6 +140,8 @@ class _Builder:
         _require(style == "json", f"{where}.style", f"only 'json' is supported, got {style!r}")
         schema = f["json_schema"]
         _require(isinstance(schema, (dict, str, bool)), f"{where}.json_schema", "not a schema")
+        if self.calls:
+            return self._rules(lambda: schema_rules(schema), f"{where}.json_schema")
         return _parsed(lambda: schema_regex(schema), f"{where}.json_schema")
 
     def regex(self, f: dict[str, Any], where: str) -> tuple:
@@ -126,6 +153,8 @@ class _Builder:
         _keys(f, where, ("grammar",), ("grammar",))
         text = _string(f["grammar"], f"{where}.grammar")
         self.grammars += 1
+        if self.calls:
+            return self._rules(lambda: grammar_rules(text), f"{where}.grammar")
         return _parsed(lambda: grammar_regex(text, self.depth), f"{where}.grammar")
 
     def any_text(self, f: dict[str, Any], where: str, end: str = "") -> tuple:
@@ -225,6 +254,18 @@ def _counts(f: dict[str, Any], where: str) -> tuple[bool, bool]:
 def _text(text: str) -> tuple:
     """A literal: its characters, each a one-character set."""
     return ("cat", [("set", [(ord(c), ord(c))]) for c in text])
+
+
+def _renumber(tree: tuple, offset: int) -> tuple:
+    """``tree`` with each call of rule n a call of rule n + ``offset``."""
+    kind = tree[0]
+    if kind == "call":
+        return ("call", tree[1] + offset)
+    if kind in ("cat", "alt"):
+        return (kind, [_renumber(t, offset) for t in tree[1]])
+    if kind == "rep":
+        return ("rep", _renumber(tree[1], offset), *tree[2:])
+    return tree
 
 
 def _parsed(pattern: Any, where: str) -> tuple:  # noqa: ANN401 - () -> str
