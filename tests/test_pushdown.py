@@ -4,6 +4,7 @@ for all tokens at once, against reading each token alone, on SmolLM2's vocabular
 tokens close and open several levels at once."""
 
 import itertools
+import json
 import re
 
 import pytest
@@ -14,6 +15,7 @@ from specdec.loader import default_model_dir
 from specdec.structured.guide import GuideFactory
 from specdec.structured.pushdown import PushdownGuide
 from tests.test_grammar import JSON_EBNF, accepted
+from tests.test_structured import TREE
 
 BALANCED = 'root ::= "(" root ")" root | ""'  # neither end is a loop: a call
 MORE_A = 'root ::= "a" root "b" | "a" root | ""'  # a^n b^m, m <= n: ambiguous
@@ -134,3 +136,20 @@ def test_masks_match_each_token_read_alone_on_a_real_vocabulary(grammar, text):
             assert mask.tolist() == alone, tokenizer.decode(ids[: i + 1])
         state = guide.advance(state, token)
     assert guide.allowed(state)[eos[0]]  # a whole derivation: the end may come
+
+
+def test_free_form_and_recursive_json_nest_to_any_depth(make_llm):
+    """Free-form values (``json_object``) and recursive ``$ref``s are rules of a pushdown guide:
+    nesting is followed as deep as the output goes."""
+    llm = make_llm()
+    free = llm.engine.guides.for_params(SamplingParams(json_schema={"type": "object"}))
+    tree = llm.engine.guides.for_params(SamplingParams(json_schema=TREE))
+    assert isinstance(free, PushdownGuide) and isinstance(tree, PushdownGuide)
+    deep = '{"a": ' + "[" * 20 + '{"b": null}' + "]" * 20 + "}"
+    assert accepted(free, llm.tokenizer, deep) and accepted(free, llm.tokenizer, "{}")
+    for text in ["[1]", deep[:-1], '{"a": 01}', '{"a": [1,]}']:
+        assert not accepted(free, llm.tokenizer, text), text
+    nodes = '{"v": 1, "kids": [' * 12 + '{"v": 2}' + "]}" * 12
+    assert accepted(tree, llm.tokenizer, nodes)
+    assert not accepted(tree, llm.tokenizer, nodes.replace('"v": 2', '"w": 2'))
+    json.loads(nodes)

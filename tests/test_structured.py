@@ -16,11 +16,9 @@ from specdec.structured import automaton
 from specdec.structured import guide as guide_module
 from specdec.structured.guide import token_bytes
 from specdec.structured.json_schema import free_json_regex, schema_regex
-from specdec.structured.pushdown import PushdownGuide
 from specdec.structured.regex import compile_regex
 from specdec.verifier import Verifier, draft_tokens
 from tests.test_detokenizer import metaspace_tokenizer, smollm2_tokenizer
-from tests.test_grammar import accepted
 from tests.test_penalties import OracleDrafter
 from tests.tiny import byte_tokenizer
 
@@ -185,23 +183,6 @@ GUIDED = [
                      "required": ["s"]}},
     {"json_schema": TREE},
 ]  # fmt: skip
-
-
-def test_free_form_and_recursive_json_nest_to_any_depth(make_llm):
-    """Free-form values (``json_object``) and recursive ``$ref``s are rules of a pushdown guide:
-    nesting is followed as deep as the output goes."""
-    llm = make_llm()
-    free = llm.engine.guides.for_params(SamplingParams(json_schema={"type": "object"}))
-    tree = llm.engine.guides.for_params(SamplingParams(json_schema=TREE))
-    assert isinstance(free, PushdownGuide) and isinstance(tree, PushdownGuide)
-    deep = '{"a": ' + "[" * 20 + '{"b": null}' + "]" * 20 + "}"
-    assert accepted(free, llm.tokenizer, deep) and accepted(free, llm.tokenizer, "{}")
-    for text in ["[1]", deep[:-1], '{"a": 01}', '{"a": [1,]}']:
-        assert not accepted(free, llm.tokenizer, text), text
-    nodes = '{"v": 1, "kids": [' * 12 + '{"v": 2}' + "]}" * 12
-    assert accepted(tree, llm.tokenizer, nodes)
-    assert not accepted(tree, llm.tokenizer, nodes.replace('"v": 2', '"w": 2'))
-    json.loads(nodes)
 
 
 @pytest.mark.parametrize("guided", GUIDED)

@@ -29,6 +29,7 @@ import torch
 from specdec.structured.after import after_text
 from specdec.structured.grammar import MAX_DEPTH, MIN_DEPTH, grammar_regex, grammar_rules
 from specdec.structured.json_schema import schema_regex, schema_rules
+from specdec.structured.masks import Masks
 from specdec.structured.params import GUIDES
 from specdec.structured.pushdown import PushdownGuide
 from specdec.structured.regex import DEAD, DFA, TooLarge, compile_regex, compile_tree, parse_regex
@@ -134,9 +135,7 @@ class RegexGuide:
 
     def __init__(self, dfa: DFA, vocabulary: Vocabulary):
         self.dfa, self.vocabulary = dfa, vocabulary
-        # state -> its mask, one bit per token (6 KB for SmolLM2's vocabulary, not 48), the
-        # least recently used dropped past MASKS_KEPT: memory stays bounded whatever the load
-        self.masks: OrderedDict[int, np.ndarray] = OrderedDict()
+        self.masks = Masks(vocabulary.size, MASKS_KEPT)
 
     def start(self) -> int:
         return self.dfa.start
@@ -149,13 +148,7 @@ class RegexGuide:
         return None if state == DEAD else state
 
     def allowed(self, state: int) -> torch.Tensor:
-        packed = self.masks.get(state)
-        if packed is None:
-            packed = self.masks[state] = np.packbits(self._mask(state))
-            if len(self.masks) > MASKS_KEPT:
-                self.masks.popitem(last=False)
-        self.masks.move_to_end(state)
-        return torch.from_numpy(np.unpackbits(packed, count=self.vocabulary.size).view(bool))
+        return self.masks.get(state, self._mask)
 
     def _mask(self, state: int) -> np.ndarray:
         v, table = self.vocabulary, self.dfa.table

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from specdec.structured.automaton import DEAD, DFA
+from specdec.structured.masks import Masks
 
 MASKS_KEPT = 1024  # guide states whose masks are kept
 MAX_STACK = 1_000  # return points a configuration may hold (nesting past it is not followed)
@@ -43,7 +44,7 @@ class PushdownGuide:
 
     def __init__(self, dfas: list[DFA], vocabulary: Any):  # noqa: ANN401 - a guide.Vocabulary
         self.dfas, self.vocabulary = dfas, vocabulary
-        self.masks: OrderedDict[frozenset[Config], np.ndarray] = OrderedDict()
+        self.masks = Masks(vocabulary.size, MASKS_KEPT)
         self.moves: OrderedDict[Config, frozenset[Config]] = OrderedDict()
         self.calling = []  # per automaton, [S] bool: states that may call a pattern
         for dfa in dfas:
@@ -73,13 +74,7 @@ class PushdownGuide:
         return state
 
     def allowed(self, state: frozenset[Config]) -> torch.Tensor:
-        packed = self.masks.get(state)
-        if packed is None:
-            packed = self.masks[state] = np.packbits(self._mask(state))
-            if len(self.masks) > MASKS_KEPT:
-                self.masks.popitem(last=False)
-        self.masks.move_to_end(state)
-        return torch.from_numpy(np.unpackbits(packed, count=self.vocabulary.size).view(bool))
+        return self.masks.get(state, self._mask)
 
     def _mask(self, state: frozenset[Config]) -> np.ndarray:
         v = self.vocabulary

@@ -354,12 +354,6 @@ def test_guided_choice_as_vllm_takes_it(served, offline):
 
 
 GRAMMAR = 'root ::= [a-c]{2} ("-" digits)+\ndigits ::= [0-9] | [0-9] digits'
-TAG = {"type": "structural_tag", "format": {
-    "type": "triggered_tags", "triggers": ["<f="], "at_least_one": True,
-    "tags": [{"begin": "<f=n>", "content": {"type": "regex", "pattern": "[0-9]{1,3}"},
-              "end": "</f>"}]}}  # fmt: skip
-LEGACY_TAG = {"type": "structural_tag", "triggers": ["<f="], "structures": [
-    {"begin": "<f=n>", "schema": {"type": "integer"}, "end": "</f>"}]}  # fmt: skip
 
 
 def test_guided_regex_json_and_grammar_as_vllm_and_openai_take_them(served, offline):
@@ -375,9 +369,6 @@ def test_guided_regex_json_and_grammar_as_vllm_and_openai_take_them(served, offl
                                                {"response_format": {"type": "json_object"}}]),
         ({"grammar": GRAMMAR}, [{"guided_grammar": GRAMMAR},
                                 {"structured_outputs": {"grammar": GRAMMAR}}]),
-        ({"structural_tag": TAG}, [{"structured_outputs": {"structural_tag": json.dumps(TAG)}},
-                                   {"response_format": TAG}]),
-        ({"structural_tag": LEGACY_TAG}, [{"response_format": LEGACY_TAG}]),
         ({"structured_outputs": StructuredOutputsParams(json=schema, disable_any_whitespace=True)},
          [{"structured_outputs": {"json": schema, "disable_any_whitespace": True}},
           {"guided_json": schema, "guided_whitespace_pattern": ""},

@@ -300,3 +300,34 @@ def test_each_parser_reads_its_syntax_whole_and_streamed(make_server, syntax):
     assert reply.message.content == content and reply.finish_reason == "tool_calls"
     assert "".join(c.delta.content or "" for c in chunks) == (content or "")
     assert skips == [syntax != "mistral"] * 2  # [TOOL_CALLS] is a special token: kept
+
+
+def test_structural_tags_as_vllm_takes_them(served, offline):
+    """``response_format`` (both of vLLM's spellings) and ``structured_outputs`` give the offline
+    engine's output under the tag, which opens the reply here (at_least_one)."""
+    n = {"begin": "<f=n>", "end": "</f>"}
+    tag = {
+        "type": "structural_tag",
+        "format": {
+            "type": "triggered_tags",
+            "triggers": ["<f="],
+            "at_least_one": True,
+            "tags": [{**n, "content": {"type": "regex", "pattern": "[0-9]+"}}],
+        },
+    }
+    legacy = {"type": "structural_tag", "triggers": ["<f="],
+              "structures": [{**n, "schema": {"type": "integer"}}]}  # fmt: skip
+    for spec, bodies in [
+        (
+            tag,
+            [{"structured_outputs": {"structural_tag": json.dumps(tag)}}, {"response_format": tag}],
+        ),
+        (legacy, [{"response_format": legacy}]),
+    ]:
+        params = SamplingParams(temperature=0, max_tokens=24, structural_tag=spec)
+        expected = offline.chat(CHAT, params)[0].text
+        assert spec is legacy or expected.startswith("<f=n>"), expected
+        for extra in bodies:
+            body = {"messages": CHAT, "max_tokens": 24, "temperature": 0} | extra
+            reply = served.post(C, json=body).json()
+            assert reply["choices"][0]["message"]["content"] == expected, extra
