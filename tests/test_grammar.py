@@ -13,7 +13,6 @@ from specdec import SamplingParams, SpecConfig, StructuredOutputsParams
 from specdec.structured import automaton
 from specdec.structured import grammar as grammar_module
 from specdec.structured import guide as guide_module
-from specdec.structured import regex as regex_module
 from specdec.structured.grammar import MAX_DEPTH, grammar_regex
 from specdec.structured.pushdown import PushdownGuide
 from specdec.structured.regex import DFA, TooLarge, compile_regex
@@ -134,23 +133,27 @@ ws     ::= ([ \t\n] ws)?
 AFTER = "</think>"  # a grammar after a text is one DFA, its recursion bounded
 
 
-def test_a_grammar_too_large_for_the_dfa_at_full_depth_is_followed_less_deep(make_llm):
-    """After a text, JSON's three recursive rules at depth 4 pass the DFA's 10,000 states: the
-    guide is built at depth 3 (the largest that fits), and the optional-recursive ``ws`` is a
-    loop all the same."""
-    guides = make_llm().engine.guides
-    dfa = guides.for_params(SamplingParams(grammar=JSON_EBNF, guide_after=AFTER)).dfa
-    assert guides._grammars[JSON_EBNF] == MAX_DEPTH - 1
-
-    def after(text: str) -> bool:
-        return dfa.fullmatch("thinking" + AFTER + text)
-
-    assert after('{"a": [1, -20, {"b": true}],' + " " * 30 + '"c\\u00e9": "x\\n"}')
-    assert after('{"a": {"b": [1]}}') and after('{"a": {"b": {"c": 1}}}')
-    assert not after('{"a": {"b": {"c": [1]}}}')  # a value open a fourth time
-    assert not after('{"a": 01}') and not after('{"a": 1,}')
-    with pytest.raises(ValueError, match="needs more than 10000 states"):
-        compile_regex(grammar_regex(JSON_EBNF))
+def test_a_recursive_grammar_after_a_text_is_followed_to_any_depth(make_llm):
+    """After a text the pushdown guide's root automaton is joined to a free part: special tokens
+    and any text until the text, then the grammar to any depth; with an opening, an output that
+    does not open with it is guided from its first token."""
+    llm = make_llm()
+    deep = '{"a": ' * 12 + "[" * 12 + "1" + "]" * 12 + "}" * 12
+    for opening in (None, "<think>"):
+        params = SamplingParams(grammar=JSON_EBNF, guide_after=AFTER, guide_after_opening=opening)
+        guide = llm.engine.guides.for_params(params)
+        assert isinstance(guide, PushdownGuide)
+        head = opening or ""
+        assert accepted(guide, llm.tokenizer, head + "a < b" + AFTER + deep)
+        assert not accepted(guide, llm.tokenizer, head + "a < b" + AFTER + deep[:-1])
+        special = llm.tokenizer.bos_token_id  # a special token, not the end: free text only
+        state = guide.start()
+        for token in llm.tokenizer.encode(head, add_special_tokens=False):
+            assert not guide.allowed(state)[special]  # the opening is not free yet
+            state = guide.advance(state, token)
+        assert guide.allowed(state)[special] and guide.advance(state, special) == state
+    assert accepted(guide, llm.tokenizer, deep)  # no opening: guided from the first token
+    assert not accepted(guide, llm.tokenizer, "a" + AFTER + deep)
 
 
 def accepted(guide, tokenizer, text: str) -> bool:  # noqa: ANN001
@@ -176,29 +179,21 @@ def test_a_recursive_grammar_is_followed_to_any_depth(make_llm):
         assert not accepted(guide, llm.tokenizer, text), text
 
 
-def test_a_grammar_too_large_at_the_least_depth_is_refused(make_llm, monkeypatch):
-    """Refused once the bound is at its least, and the refusal kept: the next request with the
-    grammar is refused without compiling it again (seconds each time)."""
+def test_a_grammar_too_large_to_compile_is_refused_and_leaves_nothing_behind(make_llm, monkeypatch):
     monkeypatch.setattr(automaton, "MAX_STATES", 40)
-    compiles = []
-    monkeypatch.setattr(guide_module, "compile_regex", lambda p: compiles.append(p) or (
-        regex_module.compile_regex(p)))  # fmt: skip
     llm = make_llm()
-    params = SamplingParams(grammar=JSON_EBNF, guide_after=AFTER)
-    with pytest.raises(ValueError, match="too large to follow even with its recursion"):
-        llm.engine.guides.for_params(params)
-    assert len(compiles) == MAX_DEPTH - 1  # depths 4, 3 and 2
-    with pytest.raises(ValueError, match="too large to follow"):
-        llm.generate([[1, 2]], params)
-    assert len(compiles) == MAX_DEPTH - 1
+    with pytest.raises(ValueError, match="grammar needs more than 40 states"):
+        llm.generate([[1, 2]], SamplingParams(grammar=JSON_EBNF))
+    assert not llm.engine.has_unfinished()
+    assert llm.generate([[1, 2]], SamplingParams(max_tokens=2))[0].finish_reason == "length"
 
 
-def test_an_engine_keeps_a_bounded_number_of_grammar_bounds(make_llm, monkeypatch):
+def test_an_engine_keeps_a_bounded_number_of_guides(make_llm, monkeypatch):
     monkeypatch.setattr(guide_module, "GUIDE_CACHE", 3)
     guides = make_llm().engine.guides
     for i in range(6):
-        guides.for_params(SamplingParams(grammar=f'root ::= "a{i}"', guide_after=AFTER))
-    assert list(guides._grammars) == [f'root ::= "a{i}"' for i in (3, 4, 5)]
+        guides.for_params(SamplingParams(grammar=f'root ::= "a{i}" | "(" root ")"'))
+    assert len(guides._cache) == 3
 
 
 @pytest.mark.parametrize(
@@ -233,17 +228,16 @@ def test_bad_grammars_are_refused_precisely(grammar, message):
         SamplingParams(grammar=grammar)
 
 
-def test_a_grammar_too_large_to_expand_is_followed_less_deep_or_refused(make_llm, monkeypatch):
+def test_a_grammar_too_large_to_expand_is_refused(make_llm, monkeypatch):
     tree = 'root ::= "(" root root root ")" | "x"'  # each level three times the one below
     monkeypatch.setattr(grammar_module, "MAX_PATTERN", 200)
     grammar_module.grammar_regex.cache_clear()
     try:
         with pytest.raises(TooLarge, match="over 200 characters: nest its recursive rules less"):
             grammar_regex(tree)
-        guides = make_llm().engine.guides
-        dfa = guides.for_params(SamplingParams(grammar=tree, guide_after=AFTER)).dfa
-        assert guides._grammars[tree] == MAX_DEPTH - 1 and dfa.fullmatch(AFTER + "(x(xxx)x)")
-        assert not dfa.fullmatch(AFTER + "(x(x(xxx)x)x)")
+        llm = make_llm()  # the guide's rules call each other: nothing to expand
+        guide = llm.engine.guides.for_params(SamplingParams(grammar=tree, guide_after=AFTER))
+        assert accepted(guide, llm.tokenizer, AFTER + "(x(x(xxx)x)x)")
         monkeypatch.setattr(grammar_module, "MAX_PATTERN", 20)
         grammar_module.grammar_regex.cache_clear()
         grammar_module.grammar_rules.cache_clear()

@@ -115,8 +115,9 @@ def test_speculation_keeps_the_output(make_llm, temperature):
     prompts = [prompt for prompt, text in found if text is not None]
     params = [
         SamplingParams(temperature=temperature, seed=s, max_tokens=24, guide_after=text[1],
-                       guide_after_opening="\x07" if s % 3 == 0 else None,
-                       **({"regex": "[0-9]{2}x"} if s % 2 else {"choice": ["yes", "no"]}))
+                       guide_after_opening="\x07" if s % 2 == 0 else None,
+                       **[{"choice": ["yes", "no"]}, {"regex": "[0-9]{2}x"},
+                          {"grammar": 'root ::= "(" root ")" | "x"'}][s % 3])
         for s, (_, text) in enumerate(t for t in found if t[1] is not None)
     ]  # fmt: skip
     plain = outputs(make_llm(), prompts, params)

@@ -45,7 +45,8 @@ def after_text(text: bytes, dfa: DFA, opening: bytes = b"") -> tuple[DFA, np.nda
     accepting[shift + 1 :] = dfa.accepting[1:]
     free = np.zeros(shift + inner, bool)  # [S]
     free[1 + prefix : 1 + shift] = True
-    after = DFA(table, accepting, start=1)
+    calls = {s + shift: [(r, back + shift) for r, back in c] for s, c in dfa.calls.items()}
+    after = DFA(table, accepting, start=1, calls=calls)
     if not opening:
         return after, free
     return _either(after, free, dfa)
@@ -53,25 +54,35 @@ def after_text(text: bytes, dfa: DFA, opening: bytes = b"") -> tuple[DFA, np.nda
 
 def _either(a: DFA, free_a: np.ndarray, b: DFA) -> tuple[DFA, np.ndarray]:
     """A DFA accepting what ``a`` or ``b`` accepts (their reachable pairs of states), and its
-    free states: ``a``'s where ``b`` is dead."""
+    free states: ``a``'s where ``b`` is dead. A call of either (a grammar's rule: see
+    :mod:`specdec.structured.pushdown`) returns to that one's state alone."""
     start = (a.start, b.start)
     index = {start: 1}
     pairs, rows = [start], list[np.ndarray]()
+    calls: dict[int, list[tuple[int, int]]] = {}
+
+    def pair_of(pair: tuple[int, int]) -> int:
+        if pair not in index:
+            index[pair] = len(pairs) + 1
+            pairs.append(pair)
+        return index[pair]
+
     while len(rows) < len(pairs):
         state_a, state_b = pairs[len(rows)]
+        at = len(rows) + 1
+        for rule, back in a.calls.get(state_a, []):
+            calls.setdefault(at, []).append((rule, pair_of((back, DEAD))))
+        for rule, back in b.calls.get(state_b, []):
+            calls.setdefault(at, []).append((rule, pair_of((DEAD, back))))
         row = np.zeros(256, np.int32)
         for byte, pair in enumerate(zip(a.table[state_a].tolist(), b.table[state_b].tolist())):
-            if pair == (DEAD, DEAD):
-                continue
-            if pair not in index:
-                index[pair] = len(pairs) + 1
-                pairs.append(pair)
-            row[byte] = index[pair]
+            if pair != (DEAD, DEAD):
+                row[byte] = pair_of(pair)
         rows.append(row)
     table = np.vstack([np.zeros((1, 256), np.int32), *rows])  # [S, 256]
     accepting = np.array([False] + [a.accepting[x] or b.accepting[y] for x, y in pairs])
     free = np.array([False] + [bool(free_a[x]) and y == DEAD for x, y in pairs])
-    return DFA(table, accepting, start=1), free
+    return DFA(table, accepting, start=1, calls=calls), free
 
 
 def _prefix_function(text: bytes) -> list[int]:

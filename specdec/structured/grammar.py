@@ -22,11 +22,8 @@ recursion (``expr ::= "(" expr ")" | ...``) is written by :func:`grammar_rules` 
 call each other, ``(?&n)``, where a rule would open within itself, for the pushdown guide of
 :mod:`specdec.structured.pushdown`: nesting is followed as deep as the output goes, as Outlines
 and XGrammar follow grammars with a parser. :func:`grammar_regex` instead expands that recursion
-while the rule is open at most :data:`MAX_DEPTH` times within itself (deeper nesting being no
-match, as :mod:`specdec.structured.json_schema` bounds free-form JSON), for the guides that need
-one DFA (a grammar after a text, ``guide_after``; a structural tag's ``grammar``); where that
-DFA passes the compiler's limits the guide takes the deepest bound, down to :data:`MIN_DEPTH`,
-that fits (:meth:`specdec.structured.guide.GuideFactory.for_params`).
+while the rule is open at most ``depth`` times within itself (deeper nesting being no match):
+one regular expression, for checking outputs against (the guided benchmark, tests).
 """
 
 from __future__ import annotations
@@ -37,8 +34,7 @@ from functools import lru_cache
 from specdec.structured.grammar_reader import GrammarReader, Node, closure, read_grammar, refs
 from specdec.structured.regex import Ranges, TooLarge, complement
 
-MAX_DEPTH = 4  # times a recursive rule may be open within itself (fewer if the DFA is too large)
-MIN_DEPTH = 2
+MAX_DEPTH = 4  # times a recursive rule may be open within itself (grammar_regex)
 CALL_DEPTH = 1  # the same, for patterns that call rules past it (grammar_rules)
 MAX_PATTERN = 200_000  # characters of the expanded regular expression (TooLarge past it)
 SURROGATES: Ranges = [(0xD800, 0xDFFF)]  # no UTF-8 encoding: never a character of the output

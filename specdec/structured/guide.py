@@ -1,5 +1,5 @@
 """Guides: which tokens may come next in a guided request (``SamplingParams.choice``, ``regex``,
-``json_schema``, ``grammar``).
+``json_schema``, ``grammar``, ``structural_tag``).
 
 A guide walks the output token by token from its :meth:`start` state; :meth:`allowed` gives the
 tokens that keep the output on a path to a whole match, end-of-sequence ids included where the
@@ -10,7 +10,8 @@ the one plain decoding under the same constraint gives, whatever the drafter.
 :class:`RegexGuide` indexes the vocabulary against a byte DFA (:mod:`specdec.structured.regex`):
 each token's bytes (:func:`token_bytes`) are walked from a state, all tokens at once with numpy,
 once per state reached, and the resulting mask is kept, a bit per token (Outlines' index,
-built lazily and bounded).
+built lazily and bounded). Grammars, schemas and structural tags that nest get a
+:class:`~specdec.structured.pushdown.PushdownGuide` instead, over one DFA per rule.
 """
 
 from __future__ import annotations
@@ -19,21 +20,20 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from functools import partial
+from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
 
 from specdec.structured.after import after_text
-from specdec.structured.grammar import MAX_DEPTH, MIN_DEPTH, grammar_regex, grammar_rules
-from specdec.structured.json_schema import schema_regex, schema_rules
+from specdec.structured.grammar import grammar_rules
+from specdec.structured.json_schema import schema_rules
 from specdec.structured.masks import Masks
 from specdec.structured.params import GUIDES
 from specdec.structured.pushdown import PushdownGuide
 from specdec.structured.regex import DEAD, DFA, TooLarge, compile_regex, compile_tree, parse_regex
-from specdec.structured.structural_tag import structural_tag_rules, structural_tag_tree
+from specdec.structured.structural_tag import structural_tag_rules
 
 G = TypeVar("G", bound="RegexGuide | PushdownGuide")
 END = -1  # a choice trie's key for "a whole choice ends here"
@@ -193,8 +193,6 @@ class GuideFactory:
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, eos_token_ids
         self._vocabulary: Vocabulary | None = None
         self._cache: OrderedDict[str, RegexGuide | PushdownGuide] = OrderedDict()
-        # a grammar's recursion bound, or why it was refused (see _grammar)
-        self._grammars: dict[str, int | str] = {}
         self._lock = threading.Lock()
 
     def for_params(self, params: Any) -> Guide | None:
@@ -213,106 +211,50 @@ class GuideFactory:
             return self._regex("|".join(re.escape(c) for c in params.choice), after)
         if params.regex is not None:
             return self._regex(params.regex, after)
-        if params.grammar is not None and after[0] is None:
-            return self._rules(f"grammar\0{params.grammar}", grammar_rules(params.grammar))
-        if params.grammar is not None:  # after a text: a bounded grammar's DFA
+        if params.grammar is not None:
             text = params.grammar
-            grammar = lambda depth: self._regex(grammar_regex(text, depth), after)  # noqa: E731
-            return self._bounded("grammar", text, grammar)
+            return self._rules(f"grammar\0{text}", lambda: _parsed(grammar_rules(text)), after)
         if params.structural_tag is not None:
-            return self._structural_tag(params.structural_tag, after)
-        if after[0] is None:
-            schema = params.json_schema
-            key = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True)
-            return self._rules(f"json\0{key}", schema_rules(schema))
-        return self._regex(schema_regex(params.json_schema), after)  # one DFA, nesting bounded
-
-    def _rules(self, name: str, rules: tuple[str, ...]) -> Guide:
-        """The guide of patterns that call each other (a grammar's, a schema's): the DFA of
-        the one pattern where there are no calls, else a :class:`PushdownGuide` over the
-        patterns' DFAs (compiled once, kept)."""
-        if len(rules) == 1:
-            return self._regex(rules[0])
-        compiled: dict[str, DFA] = {}
-
-        def dfa(pattern: str) -> DFA:  # patterns repeat (a rule that is the whole output)
-            if pattern not in compiled:
-                compiled[pattern] = compile_tree(
-                    parse_regex(pattern, calls=True), name.split("\0")[0]
+            spec = params.structural_tag
+            key = spec if isinstance(spec, str) else json.dumps(spec)
+            try:
+                return self._rules(
+                    f"structural_tag\0{key}", lambda: structural_tag_rules(spec), after
                 )
-            return compiled[pattern]
+            except TooLarge as e:
+                raise ValueError(f"structural_tag: too large: {e}") from None
+        schema = params.json_schema
+        key = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True)
+        return self._rules(f"json\0{key}", lambda: _parsed(schema_rules(schema)), after)
 
-        return self._pushdown(name, [partial(dfa, p) for p in rules])
-
-    def _pushdown(self, name: str, compiles: Sequence[Callable[[], DFA]]) -> Guide:
-        """The :class:`PushdownGuide` of the DFAs ``compiles`` give, compiled once, kept."""
-        key = f"pushdown\0{name}"
+    def _rules(
+        self, name: str, trees: Callable[[], list[tuple]], after: tuple[str | None, str]
+    ) -> Guide:
+        """The guide of the syntax trees ``trees()`` gives, the first the whole output's, the
+        others rules it calls (a grammar's, a schema's, a structural tag's): the first's DFA
+        where there is no other (a :class:`RegexGuide`), else a :class:`PushdownGuide` over
+        their DFAs; after a text (``after``, see :meth:`_guide`) either way. Kept under
+        ``name``."""
+        label = name.split("\0")[0]
+        text, opening = after
+        key = f"pushdown\0{name}" if text is None else f"pushdown\0{opening}\0{text}\0{name}"
         with self._lock:
             guide = self._cache.get(key)
             if guide is not None:
                 self._cache.move_to_end(key)
                 return guide
-        guide = PushdownGuide([compile() for compile in compiles], self._vocabulary_of())
-        return self._keep_guide(key, guide)
-
-    def _structural_tag(self, spec: str | dict, after: tuple[str | None, str]) -> Guide:
-        """A structural tag's guide (:mod:`specdec.structured.structural_tag`): a pushdown
-        guide where its schemas or grammars call rules; after a text, one DFA, the recursion of
-        a grammar in it bounded as a grammar's is (:meth:`_bounded`)."""
-        key = f"structural_tag\0{spec if isinstance(spec, str) else json.dumps(spec)}"
-        if after[0] is None:
-            trees = structural_tag_rules(spec)
-            try:
-                if len(trees) == 1:
-                    root = trees[0]
-                    return self._guide(key, lambda: compile_tree(root, "structural_tag"), after)
-                compiles = [partial(compile_tree, t, "structural_tag") for t in trees]
-                return self._pushdown(key, compiles)
-            except TooLarge as e:
-                raise ValueError(f"structural_tag: too large: {e}") from None
-
-        def guide(depth: int) -> RegexGuide:
-            tree, bounded = structural_tag_tree(spec, depth)
-            compile = lambda: compile_tree(tree, "structural_tag")  # noqa: E731
-            try:
-                return self._guide(f"{key}\0{depth}", compile, after)
-            except TooLarge as e:  # only a grammar's smaller bound may make it smaller
-                raise (e if bounded else ValueError(f"structural_tag: too large: {e}")) from None
-
-        return self._bounded("structural_tag", key, guide)
-
-    def _bounded(self, name: str, text: str, guide: Callable[[int], RegexGuide]) -> RegexGuide:
-        """``guide(depth)`` at the deepest recursion bound, from :data:`MAX_DEPTH` down to
-        :data:`MIN_DEPTH`, whose DFA is within the limits (for a grammar, or a structural tag
-        holding one, ``text``); the bound found is kept, and so is a refusal (finding either
-        takes seconds)."""
-        with self._lock:
-            known = self._grammars.get(text, MAX_DEPTH)
-        if isinstance(known, str):
-            raise ValueError(known)
-        depth = known
-        while True:
-            try:
-                found = guide(depth)
-                break
-            except TooLarge as e:
-                if depth > MIN_DEPTH:
-                    depth -= 1
-                    continue
-                refusal = (
-                    f"{name}: too large to follow even with its recursion expanded {MIN_DEPTH} "
-                    f"deep: {str(e).removeprefix(f'{name}: ')}"
-                )
-                self._keep(text, refusal)
-                raise ValueError(refusal) from None
-        self._keep(text, depth)
-        return found
-
-    def _keep(self, text: str, outcome: int | str) -> None:
-        with self._lock:
-            self._grammars[text] = outcome
-            if len(self._grammars) > GUIDE_CACHE:
-                del self._grammars[next(iter(self._grammars))]
+        built = trees()
+        if len(built) == 1:
+            return self._guide(name, lambda: compile_tree(built[0], label), after)
+        compiled: dict[str, DFA] = {}  # a grammar's rules repeat (one may be the whole output)
+        for tree in built:
+            if repr(tree) not in compiled:
+                compiled[repr(tree)] = compile_tree(tree, label)
+        dfas = [compiled[repr(tree)] for tree in built]
+        free = None
+        if text is not None:
+            dfas[0], free = after_text(text.encode(), dfas[0], opening.encode())
+        return self._keep_guide(key, PushdownGuide(dfas, self._vocabulary_of(), free))
 
     def _regex(self, pattern: str, after: tuple[str | None, str] = (None, "")) -> RegexGuide:
         return self._guide(pattern, lambda: compile_regex(pattern), after)
@@ -352,3 +294,8 @@ class GuideFactory:
             if len(self._cache) > GUIDE_CACHE:
                 self._cache.popitem(last=False)
         return guide
+
+
+def _parsed(patterns: tuple[str, ...]) -> list[tuple]:
+    """The syntax trees of patterns that call each other (``(?&n)``)."""
+    return [parse_regex(p, calls=True) for p in patterns]

@@ -7,8 +7,9 @@ the model chooses, and no others. Between JSON tokens at most one space is allow
 budget on it. JSON itself is not regular: :func:`schema_rules` writes free-form values (``{}``,
 ``true``, an object without ``properties``, ``response_format: json_object``) and recursive
 ``$ref`` targets as rules of their own, which the pushdown guide follows to any depth, while
-:func:`schema_regex` (one pattern, for the guides that need one DFA) nests free-form values at
-most :data:`FREE_DEPTH` levels and follows ``$ref`` at most :data:`MAX_REF_DEPTH` deep.
+:func:`schema_regex` (one pattern: a JSON guide with its own whitespace, ``whitespace_pattern``,
+becomes a regex) nests free-form values at most :data:`FREE_DEPTH` levels and follows ``$ref`` at
+most :data:`MAX_REF_DEPTH` deep.
 
 Supported keywords: ``type`` (one or a list), ``properties``, ``required``, ``items``,
 ``minItems``, ``maxItems``, ``enum``, ``const``, ``anyOf``, ``oneOf``, a one-item ``allOf``,

@@ -42,8 +42,20 @@ Config = tuple[tuple[tuple[int, int], ...], int, int]  # (return points, automat
 class PushdownGuide:
     """The output is a string the patterns' root (``dfas[0]``) derives, calls followed."""
 
-    def __init__(self, dfas: list[DFA], vocabulary: Any):  # noqa: ANN401 - a guide.Vocabulary
+    def __init__(
+        self,
+        dfas: list[DFA],
+        vocabulary: Any,  # noqa: ANN401 - a guide.Vocabulary
+        free: np.ndarray | None = None,
+    ):
+        """``free``: the root's states where the output is free (before a text: see
+        :mod:`specdec.structured.after`); there a token that spells nothing (a special one, not
+        an end-of-sequence id) is allowed too, and leaves the state as it is."""
         self.dfas, self.vocabulary = dfas, vocabulary
+        self.free = np.zeros(len(dfas[0].accepting), bool) if free is None else free
+        unspelled = np.array([not b for b in vocabulary.spelled], bool)
+        unspelled[vocabulary.eos_token_ids] = False
+        self.unspelled = torch.from_numpy(unspelled)  # [V]
         self.masks = Masks(vocabulary.size, MASKS_KEPT)
         self.moves: OrderedDict[Config, frozenset[Config]] = OrderedDict()
         self.calling = []  # per automaton, [S] bool: states that may call a pattern
@@ -60,8 +72,9 @@ class PushdownGuide:
 
     def advance(self, state: frozenset[Config], token: int) -> frozenset[Config] | None:
         spelled = self.vocabulary.spelled[token] if token < self.vocabulary.size else b""
-        if not spelled:  # an end-of-sequence id ends the output; other specials never match
-            return None
+        if not spelled:  # an end-of-sequence id ends the output; other specials, free text only
+            free = frozenset(c for c in state if self._free(c))
+            return free if free and bool(self.unspelled[token]) else None
         for byte in spelled:
             moved = set()
             for stack, d, s in state:
@@ -74,7 +87,12 @@ class PushdownGuide:
         return state
 
     def allowed(self, state: frozenset[Config]) -> torch.Tensor:
-        return self.masks.get(state, self._mask)
+        mask = self.masks.get(state, self._mask)
+        return mask | self.unspelled if any(self._free(c) for c in state) else mask
+
+    def _free(self, config: Config) -> bool:
+        stack, d, s = config
+        return not stack and d == 0 and bool(self.free[s])
 
     def _mask(self, state: frozenset[Config]) -> np.ndarray:
         v = self.vocabulary

@@ -17,11 +17,13 @@ never holds), ``sequence`` and ``or`` (``elements``), ``tag`` (``begin``, ``cont
 ``tags_with_separator`` (``tags``, ``separator``, ``at_least_one``, ``stop_after_first``: tags
 and separators only). The first spelling is ``triggered_tags`` with ``json_schema`` contents.
 
-A format becomes a syntax tree for :func:`~specdec.structured.regex.compile_tree`: the parts that
-are patterns are parsed as patterns, and text that must not hold some strings (free text before
-a trigger, an ``any_text``) is the tree node ``("avoid", strings)``, an Aho-Corasick automaton. The
-result is one byte DFA, indexed and verified against as every guide's is, so drafts and exactness
-are those of a regular expression. Free text before a tag holds no trigger: the first trigger
+A format becomes a syntax tree for :func:`~specdec.structured.automaton.compile_tree`: the parts
+that are patterns are parsed as patterns, and text that must not hold some strings (free text
+before a trigger, an ``any_text``) is the tree node ``("avoid", strings)``, an Aho-Corasick
+automaton. The result is one byte DFA, or, where a schema or grammar in it nests (free-form
+JSON, recursive rules), the first of the trees of a pushdown guide
+(:mod:`specdec.structured.pushdown`); either is indexed and verified against as every guide is,
+so drafts and exactness are every guide's. Free text before a tag holds no trigger: the first trigger
 opens a tag. ``qwen_xml_parameter`` is refused.
 """
 
@@ -30,9 +32,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from specdec.structured.grammar import grammar_regex, grammar_rules
-from specdec.structured.json_schema import schema_regex, schema_rules
-from specdec.structured.regex import TooLarge, parse_regex
+from specdec.structured.grammar import grammar_rules
+from specdec.structured.json_schema import schema_rules
+from specdec.structured.regex import parse_regex
 
 MAX_WORDS = 10_000  # bytes of triggers, ends and excluded strings (their automaton's states)
 FORMATS = (
@@ -76,37 +78,25 @@ def read_structural_tag(spec: str | dict[str, Any]) -> dict[str, Any]:
     return {"type": "triggered_tags", "triggers": spec["triggers"], "tags": tags}
 
 
-def structural_tag_tree(spec: str | dict[str, Any], depth: int) -> tuple[tuple, bool]:
-    """A structural tag's syntax tree, a grammar's recursion in it expanded ``depth`` deep; and
-    whether it holds a grammar (a smaller ``depth`` may then give a smaller tree)."""
-    builder = _Builder(depth)
-    return _built(spec, builder), builder.grammars > 0
-
-
-def _built(spec: str | dict[str, Any], builder: _Builder) -> tuple:
-    """The tree ``builder`` writes for ``spec``; an error in the first spelling's names."""
-    f = read_structural_tag(spec)
+def structural_tag_rules(spec: str | dict[str, Any]) -> list[tuple]:
+    """A structural tag's syntax trees: the whole output's first, then the rules its schemas
+    and grammars call (free-form JSON, recursive rules: any depth), for the pushdown guide; one
+    tree where there are none. ValueError naming the place of what is wrong (in the first
+    spelling's own names where it was given so)."""
+    builder, f = _Builder(), read_structural_tag(spec)
     try:
-        return builder.format(f, "structural_tag.format")
+        tree = builder.format(f, "structural_tag.format")
     except ValueError as e:
         if "structures" not in (json.loads(spec) if isinstance(spec, str) else spec):
             raise
         where = str(e).replace("format.tags[", "structures[").replace(".content.json_", ".")
         raise type(e)(where.replace("structural_tag.format.", "structural_tag.")) from None
-
-
-def structural_tag_rules(spec: str | dict[str, Any]) -> list[tuple]:
-    """A structural tag's syntax trees for the pushdown guide: the whole output's first, then
-    the rules its schemas and grammars call (free-form JSON, recursive rules: any depth)."""
-    builder = _Builder(0, calls=True)
-    tree = _built(spec, builder)
     return [tree, *builder.rules]
 
 
 class _Builder:
-    def __init__(self, depth: int, calls: bool = False):
-        self.depth, self.words, self.grammars = depth, 0, 0
-        self.calls, self.rules = calls, list[tuple]()  # calls: rules' trees (rule n: [n - 1])
+    def __init__(self) -> None:
+        self.words, self.rules = 0, list[tuple]()  # rules' trees (rule n is rules[n - 1])
 
     def _rules(self, patterns: Any, where: str) -> tuple:  # noqa: ANN401 - () -> tuple[str]
         """The first of the patterns ``patterns()`` gives, as a tree, the others kept as rules,
@@ -140,9 +130,7 @@ class _Builder:
         _require(style == "json", f"{where}.style", f"only 'json' is supported, got {style!r}")
         schema = f["json_schema"]
         _require(isinstance(schema, (dict, str, bool)), f"{where}.json_schema", "not a schema")
-        if self.calls:
-            return self._rules(lambda: schema_rules(schema), f"{where}.json_schema")
-        return _parsed(lambda: schema_regex(schema), f"{where}.json_schema")
+        return self._rules(lambda: schema_rules(schema), f"{where}.json_schema")
 
     def regex(self, f: dict[str, Any], where: str) -> tuple:
         _keys(f, where, ("pattern",), ("pattern",))
@@ -152,10 +140,7 @@ class _Builder:
     def grammar(self, f: dict[str, Any], where: str) -> tuple:
         _keys(f, where, ("grammar",), ("grammar",))
         text = _string(f["grammar"], f"{where}.grammar")
-        self.grammars += 1
-        if self.calls:
-            return self._rules(lambda: grammar_rules(text), f"{where}.grammar")
-        return _parsed(lambda: grammar_regex(text, self.depth), f"{where}.grammar")
+        return self._rules(lambda: grammar_rules(text), f"{where}.grammar")
 
     def any_text(self, f: dict[str, Any], where: str, end: str = "") -> tuple:
         _keys(f, where, (), ("excluded_str",))
@@ -272,8 +257,6 @@ def _parsed(pattern: Any, where: str) -> tuple:  # noqa: ANN401 - () -> str
     """The syntax tree of the pattern ``pattern()`` gives; its ValueError names ``where``."""
     try:
         return parse_regex(pattern())
-    except TooLarge as e:  # a grammar's expansion: the caller may try a smaller bound
-        raise TooLarge(f"{where}: {e}") from None
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
 
