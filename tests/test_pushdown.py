@@ -12,7 +12,9 @@ from transformers import AutoTokenizer
 
 from specdec import SamplingParams
 from specdec.loader import default_model_dir
+from specdec.structured import guide as guide_module
 from specdec.structured.guide import GuideFactory
+from specdec.structured.json_schema import schema_rules
 from specdec.structured.pushdown import PushdownGuide
 from tests.test_grammar import JSON_EBNF, accepted
 from tests.test_structured import TREE
@@ -153,3 +155,16 @@ def test_free_form_and_recursive_json_nest_to_any_depth(make_llm):
     assert accepted(tree, llm.tokenizer, nodes)
     assert not accepted(tree, llm.tokenizer, nodes.replace('"v": 2', '"w": 2'))
     json.loads(nodes)
+
+
+def test_a_guide_is_built_once_per_schema(make_llm, monkeypatch):
+    """A schema's rules are written and compiled for its first request only, whichever guide
+    it gets (one DFA, or a pushdown guide)."""
+    written = []
+    monkeypatch.setattr(guide_module, "schema_rules", lambda s: written.append(s) or (
+        schema_rules(s)))  # fmt: skip
+    guides = make_llm().engine.guides
+    for schema in ({"type": "integer"}, {"type": "object"}):
+        first = guides.for_params(SamplingParams(json_schema=schema))
+        assert guides.for_params(SamplingParams(json_schema=schema)) is first
+    assert len(written) == 2

@@ -237,12 +237,13 @@ class GuideFactory:
         ``name``."""
         label = name.split("\0")[0]
         text, opening = after
-        key = f"pushdown\0{name}" if text is None else f"pushdown\0{opening}\0{text}\0{name}"
+        key = name if text is None else f"{opening}\0{text}\0{name}"  # as _guide keeps one
         with self._lock:
-            guide = self._cache.get(key)
-            if guide is not None:
-                self._cache.move_to_end(key)
-                return guide
+            for kept in (key, f"pushdown\0{key}"):
+                guide = self._cache.get(kept)
+                if guide is not None:
+                    self._cache.move_to_end(kept)
+                    return guide
         built = trees()
         if len(built) == 1:
             return self._guide(name, lambda: compile_tree(built[0], label), after)
@@ -254,7 +255,9 @@ class GuideFactory:
         free = None
         if text is not None:
             dfas[0], free = after_text(text.encode(), dfas[0], opening.encode())
-        return self._keep_guide(key, PushdownGuide(dfas, self._vocabulary_of(), free))
+        return self._keep_guide(
+            f"pushdown\0{key}", PushdownGuide(dfas, self._vocabulary_of(), free)
+        )
 
     def _regex(self, pattern: str, after: tuple[str | None, str] = (None, "")) -> RegexGuide:
         return self._guide(pattern, lambda: compile_regex(pattern), after)
