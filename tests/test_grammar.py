@@ -152,6 +152,7 @@ def test_a_recursive_grammar_after_a_text_is_followed_to_any_depth(make_llm):
             assert not guide.allowed(state)[special]  # the opening is not free yet
             state = guide.advance(state, token)
         assert guide.allowed(state)[special] and guide.advance(state, special) == state
+        assert guide.advance(state, llm.tokenizer.eos_token_id) is None  # the end ends it
     assert accepted(guide, llm.tokenizer, deep)  # no opening: guided from the first token
     assert not accepted(guide, llm.tokenizer, "a" + AFTER + deep)
 

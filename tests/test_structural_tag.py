@@ -8,6 +8,7 @@ import json
 import random
 
 import pytest
+import torch
 
 from specdec import SamplingParams, SpecConfig, StructuredOutputsParams
 from specdec.structured import automaton
@@ -50,6 +51,7 @@ class Bytes:
     """A vocabulary of the 256 bytes, one token each: a guide reads a text byte by byte."""
 
     spelled, size, eos_token_ids = [bytes([b]) for b in range(256)], 256, list[int]()
+    unspelled = torch.zeros(256, dtype=torch.bool)
 
 
 def accepts(spec: dict | str, text: str) -> bool:

@@ -128,6 +128,10 @@ class Vocabulary:
             self.matrix[row, : len(spelled[i])] = np.frombuffer(spelled[i], np.uint8)
         # how many tokens are longer than k bytes, for k = 0 .. longest - 1
         self.longer = [int((self.lengths > k).sum()) for k in range(longest)]
+        # [V] bool: the tokens that spell nothing and do not end the output (special tokens),
+        # which free text before a guide's text allows
+        self.unspelled = torch.tensor([not b for b in spelled], dtype=torch.bool)
+        self.unspelled[self.eos_token_ids] = False
 
 
 class RegexGuide:
@@ -171,10 +175,7 @@ class AfterTextGuide(RegexGuide):
 
     def __init__(self, dfa: DFA, vocabulary: Vocabulary, free: np.ndarray):
         super().__init__(dfa, vocabulary)
-        self.free = free  # [S] bool
-        unspelled = np.array([not b for b in vocabulary.spelled], bool)
-        unspelled[vocabulary.eos_token_ids] = False
-        self.unspelled = torch.from_numpy(unspelled)  # [V]
+        self.free, self.unspelled = free, vocabulary.unspelled  # [S] bool, [V] bool
 
     def advance(self, state: int, token: int) -> int | None:
         if self.free[state] and bool(self.unspelled[token]):

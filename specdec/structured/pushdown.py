@@ -53,9 +53,7 @@ class PushdownGuide:
         an end-of-sequence id) is allowed too, and leaves the state as it is."""
         self.dfas, self.vocabulary = dfas, vocabulary
         self.free = np.zeros(len(dfas[0].accepting), bool) if free is None else free
-        unspelled = np.array([not b for b in vocabulary.spelled], bool)
-        unspelled[vocabulary.eos_token_ids] = False
-        self.unspelled = torch.from_numpy(unspelled)  # [V]
+        self.unspelled = vocabulary.unspelled  # [V] bool
         self.masks = Masks(vocabulary.size, MASKS_KEPT)
         self.moves: OrderedDict[Config, frozenset[Config]] = OrderedDict()
         self.calling = []  # per automaton, [S] bool: states that may call a pattern
