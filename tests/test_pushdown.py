@@ -15,7 +15,7 @@ from specdec.loader import default_model_dir
 from specdec.structured import guide as guide_module
 from specdec.structured.guide import GuideFactory
 from specdec.structured.json_schema import schema_rules
-from specdec.structured.pushdown import PushdownGuide
+from specdec.structured.pushdown import PushdownGuide, StackTable
 from tests.test_grammar import JSON_EBNF, accepted
 from tests.test_structured import TREE
 
@@ -65,6 +65,67 @@ def test_nesting_past_any_bound_is_followed(make_llm):
     guide = llm.engine.guides.for_params(SamplingParams(grammar=BALANCED))
     assert accepted(guide, llm.tokenizer, "(" * 200 + ")" * 200 + "()")
     assert not accepted(guide, llm.tokenizer, "(" * 200 + ")" * 199)
+
+
+def test_an_ambiguous_grammar_holds_one_configuration_per_automaton_state(make_llm):
+    """After n letters of ``MORE_A`` each open rule may or may not still owe its ``b``: 2^n
+    stacks, which as separate configurations took seconds a token by the twelfth. Shared, a
+    state holds at most one configuration per automaton state, at any depth."""
+    llm = make_llm()
+    guide = llm.engine.guides.for_params(SamplingParams(grammar=MORE_A))
+    assert isinstance(guide, PushdownGuide)
+    a = llm.tokenizer.encode("a", add_special_tokens=False)[0]
+    state = guide.start()
+    for _ in range(300):
+        state = guide.advance(state, a)
+    assert (
+        len({(d, s) for d, s, _ in state})
+        == len(state)
+        <= sum(len(dfa.accepting) for dfa in guide.dfas)
+    )
+    assert max(stacks.depth for _, _, stacks in state) == 300
+    assert accepted(guide, llm.tokenizer, "a" * 300 + "b" * 300)
+    assert accepted(guide, llm.tokenizer, "a" * 300 + "b" * 17)
+    assert not accepted(guide, llm.tokenizer, "a" * 300 + "b" * 301)
+
+
+def test_an_ambiguous_recursive_schema_nests_deep(make_llm):
+    """Each level may be either object of the ``anyOf`` until a ``b`` says which: 2^depth parses
+    of the same text (8,192 configurations 40 tokens into it before they were shared)."""
+    node = {
+        "anyOf": [
+            {"type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}},
+            {
+                "type": "object",
+                "properties": {"a": {"$ref": "#/$defs/n"}, "b": {"type": "integer"}},
+                "required": ["b"],
+            },
+        ]
+    }
+    schema = {"$defs": {"n": node}, "$ref": "#/$defs/n"}
+    llm = make_llm()
+    guide = llm.engine.guides.for_params(SamplingParams(json_schema=schema))
+    assert isinstance(guide, PushdownGuide)
+    for depth in (1, 40):
+        opened = '{"a": ' * depth + "{}"
+        good = opened + ', "b": 1}' * (depth // 2) + "}" * (depth - depth // 2)
+        assert accepted(guide, llm.tokenizer, good), depth
+        json.loads(good)
+        assert not accepted(guide, llm.tokenizer, opened + "}" * depth + ', "b": 1}')
+
+
+def test_equal_sets_of_stacks_are_one_object():
+    table = StackTable()
+    one, two = table.push((0, 1), table.empty), table.push((0, 2), table.empty)
+    both = table.union(one, two)
+    assert table.union(two, one) is both and table.union(both, one) is both
+    assert table.make(False, {(0, 1): table.empty, (0, 2): table.empty}) is both
+    deep = [table.empty]  # every stack of 0s and 1s of each length up to 30
+    for _ in range(30):
+        grown = table.union(table.push((0, 0), deep[-1]), table.push((0, 1), deep[-1]))
+        deep.append(table.union(grown, table.empty))
+    assert deep[-1].depth == 30 and deep[-1].empty and set(deep[-1].tops) == {(0, 0), (0, 1)}
+    assert deep[-1].tops[(0, 0)] is deep[-1].tops[(0, 1)] is deep[-2]
 
 
 def _sums(text: str) -> bool:

@@ -63,7 +63,7 @@ def accepts(spec: dict | str, text: str) -> bool:
         state = guide.advance(state, byte)
         if state is None:
             return False
-    return any(not stack and guide.dfas[0].accepting[s] for stack, _, s in state)
+    return guide.complete(state)
 
 
 @functools.cache
