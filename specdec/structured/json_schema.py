@@ -2,7 +2,9 @@
 accepts, as Outlines (Willard and Louf 2023) builds one for guided generation.
 
 Objects list their properties in the schema's order: required ones always, optional ones where
-the model chooses, and no others. Between JSON tokens at most one space is allowed
+the model chooses, then others only where ``additionalProperties`` is true or a schema (their
+keys any string: one may repeat a listed property's, which the schema's ``properties`` would
+then judge; an output that does so is the model's choice, never forced). Between JSON tokens at most one space is allowed
 (:data:`WHITESPACE`), as in Outlines: a small model offered free whitespace can spend its whole
 budget on it. JSON itself is not regular: :func:`schema_rules` writes free-form values (``{}``,
 ``true``, an object without ``properties``, ``response_format: json_object``) and recursive
@@ -11,11 +13,15 @@ budget on it. JSON itself is not regular: :func:`schema_rules` writes free-form 
 becomes a regex) nests free-form values at most :data:`FREE_DEPTH` levels and follows ``$ref`` at
 most :data:`MAX_REF_DEPTH` deep.
 
-Supported keywords: ``type`` (one or a list), ``properties``, ``required``, ``items``,
+Supported keywords: ``type`` (one or a list), ``properties``, ``required``,
+``additionalProperties`` (false, true or a schema), ``items``, ``prefixItems`` (tuples),
 ``minItems``, ``maxItems``, ``enum``, ``const``, ``anyOf``, ``oneOf``, a one-item ``allOf``,
-``minLength``, ``maxLength``, ``pattern``, ``format`` (``date``, ``time``, ``date-time``,
-``uuid``), ``$ref`` into ``$defs`` / ``definitions`` (recursive ones too), and the annotations that constrain nothing (``title``,
-``description``, ``default``, ``examples``, ``$schema``, ``$id``, ``additionalProperties``).
+``minimum``, ``maximum``, ``exclusiveMinimum``, ``exclusiveMaximum``
+(:mod:`~specdec.structured.json_numbers`), ``minLength``, ``maxLength``, ``pattern``,
+``format`` (``date``, ``time``, ``date-time``, ``uuid``, ``email``, ``hostname``, ``ipv4``),
+``$ref`` to ``#`` or any JSON pointer within the schema (``#/$defs/node``; recursive ones too),
+and the annotations that constrain nothing (``title``, ``description``, ``default``,
+``examples``, ``$schema``, ``$id``, ``$comment``, ``readOnly``, ``writeOnly``, ``deprecated``).
 Any other keyword is refused by name rather than silently ignored.
 """
 
@@ -24,7 +30,9 @@ from __future__ import annotations
 import json
 import re
 from typing import Any
+from urllib.parse import unquote
 
+from specdec.structured.json_numbers import number_range
 from specdec.structured.regex import parse_regex
 
 WHITESPACE = r"[ ]?"
@@ -40,14 +48,22 @@ FORMATS = {
     "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
 }
 FORMATS["date-time"] = FORMATS["date"] + "T" + FORMATS["time"]
+_LABEL = "[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"  # a host name's, RFC 1123
+_OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+_ATOM = "[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+"  # an e-mail's local part: RFC 5322's dot-atom
+FORMATS["hostname"] = rf"{_LABEL}(?:\.{_LABEL})*"
+FORMATS["ipv4"] = rf"{_OCTET}(?:\.{_OCTET}){{3}}"
+FORMATS["email"] = rf"{_ATOM}(?:\.{_ATOM})*@{_LABEL}(?:\.{_LABEL})+"
 FREE_DEPTH = 2  # nesting of free-form objects and arrays
 MAX_REF_DEPTH = 3
 MAX_NESTING = 64  # schemas within schemas
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment",
-               "additionalProperties", "$defs", "definitions"}  # fmt: skip
+               "$defs", "definitions", "readOnly", "writeOnly", "deprecated"}  # fmt: skip
+BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 KEYWORDS = ANNOTATIONS | {"type", "properties", "required", "items", "minItems", "maxItems",
                           "enum", "const", "anyOf", "oneOf", "allOf", "minLength", "maxLength",
-                          "pattern", "format", "$ref"}  # fmt: skip
+                          "pattern", "format", "$ref", "additionalProperties", "prefixItems",
+                          *BOUNDS}  # fmt: skip
 
 
 def schema_regex(schema: dict[str, Any] | bool | str, whitespace: str = WHITESPACE) -> str:
@@ -107,6 +123,40 @@ def _sequence(item: str, low: int, high: int | None, w: str) -> str:
     return rf"\[{w}{body}{w}\]" if low > 0 else rf"\[{w}(?:{body})?{w}\]"
 
 
+KEY_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\bfnrt])'  # a character with one spelling only
+
+
+def _other_key(names: list[str]) -> str:
+    """A key's characters (within its quotes) that spell none of ``names``: each character
+    written one way only (no ``\\u`` or ``\\/`` escapes), so a key other than the listed ones
+    cannot be one of them spelled another way. A trie of the names' spellings, and at each of
+    its nodes every way to leave it."""
+    spelled = []
+    for name in names:
+        text = json.dumps(name, ensure_ascii=False)[1:-1]
+        units = re.findall(r"\\.|[^\\]", text)
+        if "\\u" not in text:  # (a name spelled only with \u cannot be met here)
+            spelled.append(tuple(units))
+
+    def rest(group: list[tuple[str, ...]], at: int) -> str:
+        ends = any(len(units) == at for units in group)
+        nexts = sorted({units[at] for units in group if len(units) > at})
+        chars = "".join(re.escape(u) for u in nexts if len(u) == 1)
+        escapes = "".join(u[1] for u in nexts if len(u) == 2)
+        others = [rf'[^"\\\x00-\x1f{chars}]']
+        left = [c for c in '"\\bfnrt' if c not in escapes]
+        if left:
+            others.append(rf"\\[{''.join(re.escape(c) for c in left)}]")
+        options = [f"(?:{'|'.join(others)}){KEY_CHAR}*"]
+        for unit in nexts:
+            after = rest([u for u in group if len(u) > at and u[at] == unit], at + 1)
+            options.append(f"{re.escape(unit)}(?:{after})")
+        body = "|".join(options)
+        return body if ends else f"(?:{body})?"
+
+    return rest(spelled, 0)
+
+
 def _literal(value: Any) -> str:
     return re.escape(json.dumps(value, ensure_ascii=False))
 
@@ -115,9 +165,7 @@ class _Builder:
     def __init__(self, root: dict[str, Any] | bool, whitespace: str, calls: bool = False):
         self.w = f"(?:{whitespace})" if whitespace and whitespace != WHITESPACE else whitespace
         self.root, self.depth = root, 0  # depth: schemas within schemas, now
-        self.defs: dict[str, Any] = {}
-        if isinstance(root, dict):
-            self.defs = {**root.get("definitions", {}), **root.get("$defs", {})}
+        self.defs: dict[str, Any] = {}  # the schemas $refs name, by the $ref
         # calls (schema_rules): the rules' patterns (rule n is rules[n - 1]), the rule of each
         # recursive $defs entry and of a free-form value, and the entries being written out
         self.calls, self.rules = calls, list[str]()
@@ -178,7 +226,11 @@ class _Builder:
             return self.value(schema["allOf"][0], refs)
         kind = schema.get("type")
         if kind is None:
-            kind = "object" if "properties" in schema else "array" if "items" in schema else None
+            implied = [("object", "properties"), ("object", "additionalProperties"),
+                       ("array", "items"), ("array", "prefixItems"), ("number", "minimum"),
+                       ("number", "maximum"), ("number", "exclusiveMinimum"),
+                       ("number", "exclusiveMaximum")]  # fmt: skip
+            kind = next((k for k, keyword in implied if keyword in schema), None)
         if kind is None:
             return self.free()
         if isinstance(kind, list):
@@ -186,9 +238,9 @@ class _Builder:
         return self.typed(schema, kind, refs)
 
     def reference(self, ref: str, refs: int) -> str:
-        name = ref.split("/")[-1]
-        if not re.fullmatch(r"#/(\$defs|definitions)/[^/]+", ref) or name not in self.defs:
-            raise ValueError(f"json_schema $ref {ref!r} does not name an entry of $defs")
+        """A ``$ref`` within the schema: ``#`` (the whole schema), or a JSON pointer such as
+        ``#/$defs/node`` or ``#/properties/a/items``; recursion is a rule of its own."""
+        name = self.resolve(ref)
         if self.calls and name in self.open:  # recursion: the entry's own rule
             if name not in self.called:
                 call, outer, self.open = self.rule(name), self.open, [name]
@@ -208,16 +260,39 @@ class _Builder:
             )
         return self.value(self.defs[name], refs + 1)
 
+    def resolve(self, ref: str) -> str:
+        """The pointer ``ref`` names (RFC 6901: ``~1`` is ``/``, ``~0`` is ``~``), in
+        :attr:`defs` under ``ref`` itself."""
+        if ref not in self.defs:
+            if not isinstance(ref, str) or not ref.startswith("#"):
+                raise ValueError(f"json_schema $ref {ref!r}: only references within the schema "
+                                 "(starting with #) are supported")  # fmt: skip
+            node: Any = self.root
+            for part in ref[1:].split("/")[1:] if ref != "#" else []:
+                key = unquote(part).replace("~1", "/").replace("~0", "~")
+                if isinstance(node, list) and key.isdigit() and int(key) < len(node):
+                    node = node[int(key)]
+                elif isinstance(node, dict) and key in node:
+                    node = node[key]
+                else:
+                    raise ValueError(f"json_schema $ref {ref!r} names nothing in the schema")
+            if ref[1:2] not in ("", "/") or not isinstance(node, (dict, bool)):
+                raise ValueError(f"json_schema $ref {ref!r} does not name a schema")
+            self.defs[ref] = node
+        return ref
+
     def typed(self, schema: dict[str, Any], kind: str, refs: int) -> str:
         if kind == "string":
             return self.string(schema)
+        if kind in ("integer", "number") and any(b in schema for b in BOUNDS):
+            return number_range(schema, integer=kind == "integer")
         if kind in SCALARS:
             return SCALARS[kind]
         if kind == "array":
-            item = self.value(schema.get("items", {}), refs)
-            return _sequence(item, schema.get("minItems", 0), schema.get("maxItems"), self.w)
+            return self.array(schema, refs)
         if kind == "object":
-            if "properties" not in schema:
+            extra = schema.get("additionalProperties")
+            if "properties" not in schema and extra in (None, True, {}):
                 return self.free(top_object=True)
             return self.object(schema, refs)
         raise ValueError(f"json_schema type {kind!r} is not a JSON type")
@@ -236,16 +311,50 @@ class _Builder:
             return STRING
         return f'"{STRING_CHAR}{{{low},{"" if high is None else high}}}"'
 
+    def array(self, schema: dict[str, Any], refs: int) -> str:
+        """``items`` of one schema, or after ``prefixItems`` (a tuple: an item of each in turn,
+        then ``items``' unless it is false), ``minItems`` to ``maxItems`` of them."""
+        low, high = schema.get("minItems", 0), schema.get("maxItems")
+        prefix = [self.value(s, refs) for s in schema.get("prefixItems", [])]
+        rest = schema.get("items", {})
+        if not prefix:
+            return _sequence(self.value(rest, refs), low, high, self.w)
+        if rest is False:
+            high = len(prefix) if high is None else min(high, len(prefix))
+        if high is not None and high < low:
+            raise ValueError(f"json_schema array allows no length: {low} to {high} items")
+        w = self.w
+        more = ""  # the items after the prefix's, as many as maxItems leaves
+        if high is None or high > len(prefix):
+            after = None if high is None else high - len(prefix)
+            item = self.value(rest, refs)
+            more = (
+                f"(?:{w},{w}{item}){{{max(low - len(prefix), 0)},{'' if after is None else after}}}"
+            )
+        items = prefix[: len(prefix) if high is None else high]
+        body = more
+        for i in reversed(range(len(items))):  # item i, and then the rest only if it is there
+            comma = f"{w},{w}" if i else ""
+            body = f"{comma}{items[i]}{body}" if i < low else f"(?:{comma}{items[i]}{body})?"
+        return rf"\[{w}{body}{w}\]"
+
     def object(self, schema: dict[str, Any], refs: int) -> str:
         """The properties in order, each required one present, optional ones where the model
-        chooses; commas only between the members present."""
+        chooses, then others where ``additionalProperties`` allows them (true or a schema: any
+        key, the schema's value); commas only between the members present."""
         w = self.w
         required = set(schema.get("required", []))
+        properties = schema.get("properties", {})
         members = [
             (f"{_literal(name)}{w}:{w}{self.value(sub, refs)}", name in required)
-            for name, sub in schema["properties"].items()
+            for name, sub in properties.items()
         ]
-        missing = required - set(schema["properties"])
+        extra = schema.get("additionalProperties")
+        if extra is not None and extra is not False and (extra is not True or properties):
+            key = f'"{_other_key(list(properties))}"' if properties else STRING
+            other = f"{key}{w}:{w}{self.value(True if extra == {} else extra, refs)}"
+            members.append((f"{other}(?:{w},{w}{other})*", False))
+        missing = required - set(properties)
         if missing:
             raise ValueError(f"json_schema requires {sorted(missing)[0]!r}, not in properties")
         first_required = next((i for i, (_, r) in enumerate(members) if r), len(members))

@@ -26,8 +26,9 @@ class StructuredOutputsParams:
     For JSON: ``whitespace_pattern`` (a regex) replaces the whitespace allowed between JSON
     tokens (at most one space by default), ``disable_any_whitespace=True`` allows none; the
     guide is then the schema's regex with it (``SamplingParams.regex``).
-    ``disable_additional_properties`` changes nothing: an object never takes a property its
-    schema does not list. ``disable_fallback`` has no meaning here (one guide, no fallback)."""
+    ``disable_additional_properties`` changes nothing: an object takes properties its schema
+    does not list only where its ``additionalProperties`` says so (true or a schema), never by
+    default (what the flag asks of vLLM's guidance backend). ``disable_fallback`` has no meaning here (one guide, no fallback)."""
 
     json: dict[str, Any] | str | None = None
     regex: str | None = None

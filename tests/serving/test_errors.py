@@ -88,7 +88,7 @@ BAD_REQUESTS = [
     (C, {"prompt": "x", "structured_outputs": {"regex": "a", "json": {}}}, 400, "give one kind, not regex, json", "structured_outputs"),
     (C, {"prompt": "x", "guided_regex": "a", "guided_json": {}}, 400, "give one of guided_regex and guided_json, not both", "guided_json"),
     (C, {"prompt": "x", "guided_regex": "(?=a)"}, 400, "regex '(?=a)': lookarounds, flags and named groups are not supported", "guided_regex"),
-    (C, {"prompt": "x", "guided_json": {"type": "integer", "minimum": 0}}, 400, "json_schema keyword 'minimum' is not supported", "guided_json"),
+    (C, {"prompt": "x", "guided_json": {"type": "integer", "multipleOf": 2}}, 400, "json_schema keyword 'multipleOf' is not supported", "guided_json"),
     (CHAT, {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "x"}}}}, 400, "json_schema type 'x' is not a JSON type", "response_format"),
     (C, {"prompt": "x", "structured_outputs": {"regex": "("}, "n": 2}, 400, "missing )", "structured_outputs"),
     (C, {"prompt": "x", "guided_json": 3}, 400, "guided_json: must be a JSON Schema (an object, or its text)", "guided_json"),

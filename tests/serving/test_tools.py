@@ -143,8 +143,8 @@ C = "/v1/chat/completions"
          "cannot be combined with echo", "tool_choice"),
         ({"tools": TOOLS, "tool_choice": NAMED, "response_format": {"type": "json_object"}},
          "give one of response_format and tool_choice", "tool_choice"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"minimum": 1}}}],
-          "tool_choice": "required"}, "json_schema keyword 'minimum' is not supported", "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"multipleOf": 1}}}],
+          "tool_choice": "required"}, "json_schema keyword 'multipleOf' is not supported", "tools"),
         ({"tools": [{"type": "function", "function": {"name": "a b"}}], "tool_choice": "none"},
          "String should match pattern", "tools[0].function.name"),
         ({"tools": [{"type": "code_interpreter"}], "tool_choice": "none"}, "Input should be 'function'", "tools[0].type"),
@@ -256,10 +256,10 @@ def test_strict_tools_under_auto_hold_each_call_to_its_schema(auto_served, offli
     auto_tools(auto_served.state, request)  # the Responses API's tools, flat, the same
     assert request.guide() == {"structural_tag": SYNTAXES["hermes"].strict([("weather", UNIT)])}
     unfollowable = [{"type": "function", "function": {
-        "name": "f", "strict": True, "parameters": {"minimum": 1}}}]  # fmt: skip
+        "name": "f", "strict": True, "parameters": {"multipleOf": 1}}}]  # fmt: skip
     response = auto_served.post(C, json={**body, "tools": unfollowable})
-    assert_error(response, 400, "json_schema keyword 'minimum' is not supported", "tools")
-    loose = [{"type": "function", "function": {"name": "f", "parameters": {"minimum": 1}}}]
+    assert_error(response, 400, "json_schema keyword 'multipleOf' is not supported", "tools")
+    loose = [{"type": "function", "function": {"name": "f", "parameters": {"multipleOf": 1}}}]
     assert auto_served.post(C, json={**body, "tools": loose}).status_code == 200
     # beside a strict tool, a loose one's arguments are any object: its schema is not compiled
     assert auto_served.post(C, json={**body, "tools": [STRICT[0], *loose]}).status_code == 200
