@@ -73,11 +73,24 @@ def test_bounded_numbers_are_exactly_those_within_the_bounds(integer):
         ({"type": "integer", "minimum": 2.1, "maximum": 2.9}, "allows no number between 3 and 2"),
         ({"type": "number", "exclusiveMinimum": 1, "maximum": 1}, "allows no number"),
         ({"type": "number", "minimum": "1"}, "minimum must be a number, got '1'"),
+        ({"type": "number", "maximum": float("inf")}, "maximum must be a finite number"),
     ],
 )
 def test_bounds_that_allow_nothing_are_refused(schema, message):
     with pytest.raises(ValueError, match=message):
         schema_regex(schema)
+
+
+def test_wide_bounds_make_patterns_as_long_as_their_digits():
+    """A bound of n digits is a pattern of O(n^2) characters (splitting a range at each digit
+    once; before, a range of full widths split twice a digit: 27 MB for 10^20)."""
+    for digits in (20, 300):
+        pattern = number_range({"minimum": -(10**digits) + 7, "maximum": 10**digits}, True)
+        assert len(pattern) < 10 * digits**2
+    dfa = compile_regex(number_range({"minimum": 10**30, "maximum": 3 * 10**31}, True))
+    assert dfa.fullmatch(str(10**30)) and dfa.fullmatch(str(3 * 10**31))
+    assert not dfa.fullmatch(str(10**30 - 1)) and not dfa.fullmatch(str(3 * 10**31 + 1))
+    assert dfa.fullmatch(str(2 * 10**30 + 12345)) and not dfa.fullmatch("0" + str(10**30))
 
 
 def test_draft_4_boolean_exclusive_bounds_and_the_tighter_of_two():

@@ -68,9 +68,12 @@ def _decimal(value: Any, name: str) -> Decimal:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"json_schema {name} must be a number, got {value!r}")
     try:
-        return Decimal(repr(value) if isinstance(value, float) else value)
+        number = Decimal(repr(value) if isinstance(value, float) else value)
     except InvalidOperation:
-        raise ValueError(f"json_schema {name} must be a finite number, got {value!r}") from None
+        number = Decimal("nan")
+    if not number.is_finite():
+        raise ValueError(f"json_schema {name} must be a finite number, got {value!r}")
+    return number
 
 
 def _ceil(value: Decimal) -> Decimal:
@@ -163,21 +166,25 @@ def _naturals(low: int, high: int | None) -> str:
     """Integers from ``low`` >= 0 to ``high`` (None: no bound), without leading zeros ("": none)."""
     if high is not None and high < low:
         return ""
-    parts = []
-    top = len(str(high)) if high is not None else len(str(low))
-    for width in range(len(str(low)), top + 1):
-        first = low if width == len(str(low)) else 10 ** (width - 1)
-        last = high if high is not None and width == len(str(high)) else 10**width - 1
-        parts.append(_same_width(str(first), str(last)))
-    if high is None:  # and every longer one
-        parts.append(f"[1-9][0-9]{{{top},}}")
-    return parts[0] if len(parts) == 1 else "(?:" + "|".join(parts) + ")"
+    short, long = len(str(low)), None if high is None else len(str(high))
+    if short == long:
+        return _same_width(str(low), str(high))
+    parts = [_same_width(str(low), "9" * short)]  # as wide as low, then every width between
+    if long is None:
+        parts.append(f"[1-9][0-9]{{{short},}}")
+    else:
+        if long - short > 1:
+            parts.append(f"[1-9][0-9]{{{short},{long - 2}}}")
+        parts.append(_same_width("1" + "0" * (long - 1), str(high)))  # as wide as high
+    return "(?:" + "|".join(parts) + ")"
 
 
 def _same_width(low: str, high: str) -> str:
     """Digit strings of one width from ``low`` to ``high``."""
     if low == high:
         return low
+    if set(low) == {"0"} and set(high) == {"9"}:  # every string of the width
+        return f"[0-9]{{{len(low)}}}"
     if len(low) == 1:
         return _digit_class([low, high])
     head_low, head_high = low[0], high[0]
