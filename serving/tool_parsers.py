@@ -163,10 +163,26 @@ def _hermes_tag(tools: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     return {"type": "structural_tag", "format": format}
 
 
+def _llama3_tag(tools: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """The whole reply is calls, ``{"name": ..., "parameters": ...}`` separated by ``; `` (as
+    the parser reads them), or text that does not open with ``{`` (so it is no call)."""
+    tags = [
+        {
+            "begin": f'{{"name": {json.dumps(name)}, "parameters": ',
+            "content": {"type": "json_schema", "json_schema": schema},
+            "end": "}",
+        }
+        for name, schema in tools
+    ]
+    calls = {"type": "tags_with_separator", "tags": tags, "separator": "; ", "at_least_one": True}
+    text = {"type": "regex", "pattern": r"\s*(?:[^{\s][\s\S]*)?"}
+    return {"type": "structural_tag", "format": {"type": "or", "elements": [calls, text]}}
+
+
 SYNTAXES = {
     "hermes": Syntax("<tool_call>", _hermes, strict=_hermes_tag),
     "mistral": Syntax("[TOOL_CALLS]", _mistral, special_tokens=True),
-    "llama3_json": Syntax(None, _llama3_json, openers=(_PYTHON_TAG, "{")),
+    "llama3_json": Syntax(None, _llama3_json, openers=(_PYTHON_TAG, "{"), strict=_llama3_tag),
     "pythonic": Syntax(None, _pythonic, openers=("[",)),
 }
 TOOL_CALL_PARSERS = tuple(SYNTAXES)  # the names --tool-call-parser takes

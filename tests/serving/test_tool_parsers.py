@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from specdec.serving.tool_parsers import TOOL_CALL_PARSERS, parser_for
+from specdec.serving.tool_parsers import SYNTAXES, TOOL_CALL_PARSERS, parser_for
+from tests.test_structural_tag import accepts
 
 NAMES = ["weather", "clock"]
 ONE = '<tool_call>{"name": "weather", "arguments": {"unit": "c"}}</tool_call>'
@@ -125,3 +126,25 @@ def test_a_reply_that_opens_with_text_streams_at_once_under_whole_reply_syntaxes
     assert stream.feed("The ") == " The "  # it does not: text from now on
     assert stream.feed('{"name": "clock"}') == '{"name": "clock"}'
     assert stream.finish().content is None and not stream.calls
+
+
+def test_llama3_json_strict_tag_holds_the_whole_reply_to_calls_or_to_text():
+    """With a strict tool, a llama3_json reply is either calls, each to its function's schema
+    and all of them read back by the parser, or text that cannot be taken for a call."""
+    unit = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"]}
+    tag = SYNTAXES["llama3_json"].strict([("weather", unit), ("clock", {"type": "object"})])
+    calls = '{"name": "weather", "parameters": {"unit": "c"}}; {"name": "clock", "parameters": {}}'
+    for reply in (calls, calls.split("; ")[0], '{"name": "clock", "parameters": {"a": [1]}}'):
+        assert accepts(tag, reply), reply
+        assert parser_for("llama3_json", NAMES).parse(reply).tool_calls
+    for text in ("It is sunny.", "  Maybe later {ok}", ""):
+        assert accepts(tag, text), text
+        assert not parser_for("llama3_json", NAMES).parse(text).tool_calls
+    for bad in (
+        calls.replace('"c"', '"k"'),  # the schema's enum
+        '{"name": "nope", "parameters": {}}',  # no such tool
+        '{"name": "clock", "parameters": {}} and then text',
+        '{"weather": 1}',  # opens like a call, is none
+        calls.replace("; ", ";"),
+    ):
+        assert not accepts(tag, bad), bad
