@@ -5,6 +5,7 @@ the schema accepts and no other."""
 
 import itertools
 import json
+import random
 import re
 from decimal import Decimal
 from typing import Annotated
@@ -14,10 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from specdec import SamplingParams
 from specdec.structured.json_numbers import number_range
-from specdec.structured.json_schema import schema_regex
+from specdec.structured.json_schema import PLAIN, schema_regex
 from specdec.structured.pushdown import PushdownGuide
-from specdec.structured.regex import compile_regex
+from specdec.structured.regex import compile_regex, parse_regex, render, restrict
 from tests.test_grammar import accepted
+from tests.test_structured import ALPHABET, PATTERNS
 
 JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?")
 CANDIDATES = sorted(
@@ -250,3 +252,32 @@ def test_bounded_guided_generation_stays_within_the_bounds(make_llm):
     assert len(texts) == 8
     for text in texts:
         assert -2.5 <= adapter.validate_json(text) <= 40, text
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_a_rendered_tree_is_the_same_pattern_and_a_restricted_one_its_plain_strings(pattern):
+    """``render`` gives back a pattern of the same strings; ``restrict`` to the characters a
+    JSON string holds unescaped keeps exactly the strings without the others."""
+    rng = random.Random(pattern)
+    strings = ["".join(rng.choice(ALPHABET) for _ in range(rng.randrange(7))) for _ in range(2000)]
+    tree = parse_regex(pattern)
+    same, plain = compile_regex(render(tree)), restrict(tree, PLAIN)
+    cut = compile_regex(render(plain)) if plain is not None else None
+    for s in strings:
+        full = same.fullmatch(s)
+        assert full == bool(re.fullmatch(pattern, s, re.ASCII)), s
+        escaped = any(c in '"\\' or ord(c) < 0x20 for c in s)
+        assert (cut is not None and cut.fullmatch(s)) == (full and not escaped), s
+
+
+def test_a_string_pattern_never_writes_what_json_escapes():
+    """``.+`` would take a quote into the document; the guide's pattern holds only characters
+    written as they are, so every document it takes is JSON whose value matches the pattern."""
+    dfa = compile_regex(schema_regex({"type": "object", "properties": {
+        "a": {"type": "string", "pattern": "^.+$"}}, "required": ["a"]}))  # fmt: skip
+    assert dfa.fullmatch('{"a": "x y!"}') and not dfa.fullmatch('{"a": "x"y"}')
+    assert not dfa.fullmatch('{"a": "x\\\\"}') and not dfa.fullmatch('{"a": ""}')
+    with pytest.raises(ValueError, match="matches only strings with a character JSON escapes"):
+        schema_regex({"type": "string", "pattern": '^"+$'})
+    assert compile_regex(schema_regex({"type": "string", "pattern": '"|ab'})).fullmatch('"ab"')
+    assert compile_regex(schema_regex({"type": "string", "pattern": 'a"*'})).fullmatch('"a"')

@@ -33,9 +33,10 @@ from typing import Any
 from urllib.parse import unquote
 
 from specdec.structured.json_numbers import number_range
-from specdec.structured.regex import parse_regex
+from specdec.structured.regex import MAX_CODEPOINT, parse_regex, render, restrict
 
 WHITESPACE = r"[ ]?"
+PLAIN = [(0x20, 0x21), (0x23, 0x5B), (0x5D, MAX_CODEPOINT)]  # what a JSON string holds unescaped
 STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
 STRING = f'"{STRING_CHAR}*"'
 INTEGER = r"-?(?:0|[1-9][0-9]*)"
@@ -298,10 +299,16 @@ class _Builder:
         raise ValueError(f"json_schema type {kind!r} is not a JSON type")
 
     def string(self, schema: dict[str, Any]) -> str:
-        if "pattern" in schema:
-            pattern = schema["pattern"].removeprefix("^").removesuffix("$")
-            parse_regex(pattern)  # its own syntax: no (?&n) call of a rule
-            return f'"{pattern}"'
+        if "pattern" in schema:  # its own syntax (no (?&n) call of a rule), and the strings it
+            # matches that JSON writes as they are: no quote, backslash or control character,
+            # which the pattern would otherwise write unescaped into the document
+            tree = restrict(parse_regex(schema["pattern"]), PLAIN)
+            if tree is None:
+                raise ValueError(
+                    f"json_schema pattern {schema['pattern']!r} matches only strings with a "
+                    "character JSON escapes (a quote, a backslash or a control character)"
+                )
+            return f'"{render(tree)}"'
         if "format" in schema:
             if schema["format"] not in FORMATS:
                 raise ValueError(f"json_schema string format {schema['format']!r} is not supported")

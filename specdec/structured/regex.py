@@ -225,6 +225,50 @@ def parse_regex(pattern: str, calls: bool = False) -> tuple:
     return _Parser(pattern, calls).parse()
 
 
+def restrict(tree: tuple, allowed: Ranges) -> tuple | None:
+    """``tree`` with every character set cut to ``allowed`` (None: it then matches nothing):
+    the strings it matches that hold only allowed characters."""
+    kind = tree[0]
+    if kind == "set":
+        cut = normalize([(max(a, c), min(b, d)) for a, b in tree[1] for c, d in allowed
+                         if max(a, c) <= min(b, d)])  # fmt: skip
+        return ("set", cut) if cut else None
+    if kind == "cat":
+        items = [restrict(item, allowed) for item in tree[1]]
+        return None if any(i is None for i in items) else ("cat", items)
+    if kind == "alt":
+        options = [o for o in (restrict(o, allowed) for o in tree[1]) if o is not None]
+        return None if not options else options[0] if len(options) == 1 else ("alt", options)
+    if kind == "rep":
+        node = restrict(tree[1], allowed)
+        if node is None:
+            return ("cat", []) if tree[2] == 0 else None
+        return ("rep", node, tree[2], tree[3])
+    raise ValueError(f"cannot restrict a {kind!r} node")
+
+
+def render(tree: tuple) -> str:
+    """A pattern whose syntax tree is ``tree`` (:func:`parse_regex` of it gives ``tree`` back,
+    up to grouping)."""
+    kind = tree[0]
+    if kind == "set":
+        return (
+            "[" + "".join(_char(a) + ("" if a == b else "-" + _char(b)) for a, b in tree[1]) + "]"
+        )
+    if kind == "cat":
+        return "".join(render(item) for item in tree[1])
+    if kind == "alt":
+        return "(?:" + "|".join(render(option) for option in tree[1]) + ")"
+    if kind == "rep":
+        high = "" if tree[3] is None else tree[3]
+        return f"(?:{render(tree[1])}){{{tree[2]},{high}}}"
+    raise ValueError(f"cannot render a {kind!r} node")
+
+
+def _char(code: int) -> str:  # a code point as a character class writes it
+    return f"\\u{code:04x}" if code <= 0xFFFF else chr(code)
+
+
 def compile_regex(pattern: str) -> DFA:
     """``pattern`` as a :class:`DFA` over UTF-8 bytes (ValueError where it is unsupported)."""
     return compile_tree(parse_regex(pattern), f"regex {shown(pattern)}")
