@@ -36,6 +36,8 @@ from typing import Any
 
 from specdec.serving.responses import FunctionCall, ToolCall
 from specdec.serving.tools import new_call_id
+from specdec.structured.json_schema import STRING
+from specdec.structured.python_args import keyword_arguments_regex
 
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _PYTHON_TAG = "<|python_tag|>"
@@ -61,9 +63,9 @@ class Syntax:
     read: Callable[[str, list[str]], list[ToolCall] | None]
     openers: tuple[str, ...] = ()
     special_tokens: bool = False  # the marker is a special token: keep them in the text
-    # [(name, arguments' schema)] -> the structural tag that holds each call in the reply to
-    # this syntax and its function's schema, the text around the calls free (strict tools
-    # under "auto"); None: the syntax has none
+    # [(name, arguments' schema)] -> the guide (SamplingParams' fields: a structural tag, or a
+    # regex) that holds each call in the reply to this syntax and its function's schema, the
+    # text around the calls free (strict tools under "auto"); None: the syntax has none
     strict: Callable[[list[tuple[str, dict[str, Any]]]], dict[str, Any]] | None = None
 
 
@@ -160,7 +162,7 @@ def _hermes_tag(tools: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
         for name, schema in tools
     ]
     format = {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": tags}
-    return {"type": "structural_tag", "format": format}
+    return {"structural_tag": {"type": "structural_tag", "format": format}}
 
 
 def _llama3_tag(tools: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
@@ -176,14 +178,34 @@ def _llama3_tag(tools: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     ]
     calls = {"type": "tags_with_separator", "tags": tags, "separator": "; ", "at_least_one": True}
     text = {"type": "regex", "pattern": r"\s*(?:[^{\s][\s\S]*)?"}
-    return {"type": "structural_tag", "format": {"type": "or", "elements": [calls, text]}}
+    tag = {"type": "structural_tag", "format": {"type": "or", "elements": [calls, text]}}
+    return {"structural_tag": tag}
+
+
+def _pythonic_guide(tools: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """The whole reply is a list of calls, ``[f(a=1), g()]``, each with keyword arguments its
+    function's schema accepts as Python literals (:mod:`specdec.structured.python_args`), or
+    text that does not open with ``[``. One regex (a tool schema nests as a JSON guide with its
+    own whitespace does: free-form values two levels, ``$ref`` three)."""
+    one = "|".join(f"{re.escape(name)}\\((?:{_keywords(schema)})\\)" for name, schema in tools)
+    calls = f"\\[(?:{one})(?:, ?(?:{one}))*\\]"
+    return {"regex": f"{calls}|\\s*(?:[^\\[\\s][\\s\\S]*)?"}
+
+
+def _keywords(schema: dict[str, Any]) -> str:
+    """A strict tool's keyword arguments; a loose one's (its schema ``{"type": "object"}``, see
+    tools.strict_calls): any text but a bracket outside a string, the parser's to judge (a
+    pattern of every literal nested as deep as JSON guides nest takes thousands of states)."""
+    if schema == {"type": "object"}:
+        return f'(?:[^()"]|{STRING})*'
+    return keyword_arguments_regex(schema)
 
 
 SYNTAXES = {
     "hermes": Syntax("<tool_call>", _hermes, strict=_hermes_tag),
     "mistral": Syntax("[TOOL_CALLS]", _mistral, special_tokens=True),
     "llama3_json": Syntax(None, _llama3_json, openers=(_PYTHON_TAG, "{"), strict=_llama3_tag),
-    "pythonic": Syntax(None, _pythonic, openers=("[",)),
+    "pythonic": Syntax(None, _pythonic, openers=("[",), strict=_pythonic_guide),
 }
 TOOL_CALL_PARSERS = tuple(SYNTAXES)  # the names --tool-call-parser takes
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
+from specdec.serving.errors import APIError
 from specdec.serving.responses import FunctionCall, ToolCall
 from specdec.serving.strict import StrictModel
 
@@ -114,7 +115,10 @@ def strict_calls(
         (t.function.name, _parameters(t) if t.function.strict else {"type": "object"})
         for t in tools
     ]
-    return {"structural_tag": tag(schemas)}
+    try:
+        return tag(schemas)
+    except ValueError as e:  # a schema the syntax cannot hold (pythonic: no keyword)
+        raise APIError(400, str(e), param="tools") from None
 
 
 def new_call_id() -> str:

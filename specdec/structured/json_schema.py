@@ -96,15 +96,20 @@ def _loaded(schema: dict[str, Any] | bool | str) -> dict[str, Any] | bool:
     return schema
 
 
-def free_json_regex(depth: int = FREE_DEPTH, top_object: bool = False, w: str = WHITESPACE) -> str:
+def free_json_regex(
+    depth: int = FREE_DEPTH,
+    top_object: bool = False,
+    w: str = WHITESPACE,
+    scalars: dict[str, str] = SCALARS,
+) -> str:
     """Any JSON value nested at most ``depth`` levels (an object, if ``top_object``), ``w``
-    between its tokens."""
-    scalars = "|".join(SCALARS.values())
-    value = f"(?:{scalars})"
+    between its tokens (``scalars``: the scalars' patterns)."""
+    any_scalar = "|".join(scalars.values())
+    value = f"(?:{any_scalar})"
     for _ in range(depth):
         obj = _object_of(f"{STRING}{w}:{w}{value}", w)
         array = _sequence(value, 0, None, w)
-        value = f"(?:{scalars}|{obj}|{array})"
+        value = f"(?:{any_scalar}|{obj}|{array})"
     return _object_of(f"{STRING}{w}:{w}{value}", w) if top_object else value
 
 
@@ -162,7 +167,24 @@ def _literal(value: Any) -> str:
     return re.escape(json.dumps(value, ensure_ascii=False))
 
 
+def members_regex(members: list[tuple[str, bool]], w: str) -> str:
+    """Members (each a pattern, and whether it is required) in order, the optional ones where
+    the model chooses; commas only between the members present."""
+    first_required = next((i for i, (_, r) in enumerate(members) if r), len(members))
+    options = []
+    for first in range(min(first_required + 1, len(members))):
+        rest = "".join(f"{w},{w}{m}" if r else f"(?:{w},{w}{m})?" for m, r in members[first + 1 :])
+        options.append(members[first][0] + rest)
+    body = "|".join(options)
+    if first_required == len(members):  # none required
+        body = f"(?:{body})?" if body else ""
+    return body
+
+
 class _Builder:
+    scalars = SCALARS  # the scalar types' patterns
+    literal = staticmethod(_literal)  # a JSON value's pattern
+
     def __init__(self, root: dict[str, Any] | bool, whitespace: str, calls: bool = False):
         self.w = f"(?:{whitespace})" if whitespace and whitespace != WHITESPACE else whitespace
         self.root, self.depth = root, 0  # depth: schemas within schemas, now
@@ -176,11 +198,11 @@ class _Builder:
     def free(self, top_object: bool = False) -> str:
         """A free-form value (an object, if ``top_object``)."""
         if not self.calls:
-            return free_json_regex(top_object=top_object, w=self.w)
+            return free_json_regex(top_object=top_object, w=self.w, scalars=self.scalars)
         if "" not in self.called:  # the free-form value's rule calls itself where it nests
             call = self.rule("")
             obj = _object_of(f"{STRING}{self.w}:{self.w}{call}", self.w)
-            scalars = "|".join(SCALARS.values())
+            scalars = "|".join(self.scalars.values())
             self.rules[self.called[""] - 1] = (
                 f"(?:{scalars}|{obj}|{_sequence(call, 0, None, self.w)})"
             )
@@ -215,9 +237,9 @@ class _Builder:
         if "$ref" in schema:
             return self.reference(schema["$ref"], refs)
         if "const" in schema:
-            return _literal(schema["const"])
+            return self.literal(schema["const"])
         if "enum" in schema:
-            return "(?:" + "|".join(_literal(v) for v in schema["enum"]) + ")"
+            return "(?:" + "|".join(self.literal(v) for v in schema["enum"]) + ")"
         for key in ("anyOf", "oneOf"):
             if key in schema:
                 return "(?:" + "|".join(self.value(s, refs) for s in schema[key]) + ")"
@@ -287,8 +309,8 @@ class _Builder:
             return self.string(schema)
         if kind in ("integer", "number") and any(b in schema for b in BOUNDS):
             return number_range(schema, integer=kind == "integer")
-        if kind in SCALARS:
-            return SCALARS[kind]
+        if kind in self.scalars:
+            return self.scalars[kind]
         if kind == "array":
             return self.array(schema, refs)
         if kind == "object":
@@ -353,7 +375,7 @@ class _Builder:
         required = set(schema.get("required", []))
         properties = schema.get("properties", {})
         members = [
-            (f"{_literal(name)}{w}:{w}{self.value(sub, refs)}", name in required)
+            (f"{self.literal(name)}{w}:{w}{self.value(sub, refs)}", name in required)
             for name, sub in properties.items()
         ]
         extra = schema.get("additionalProperties")
@@ -364,14 +386,4 @@ class _Builder:
         missing = required - set(properties)
         if missing:
             raise ValueError(f"json_schema requires {sorted(missing)[0]!r}, not in properties")
-        first_required = next((i for i, (_, r) in enumerate(members) if r), len(members))
-        options = []
-        for first in range(min(first_required + 1, len(members))):
-            rest = "".join(
-                f"{w},{w}{m}" if r else f"(?:{w},{w}{m})?" for m, r in members[first + 1 :]
-            )
-            options.append(members[first][0] + rest)
-        body = "|".join(options)
-        if not required:
-            body = f"(?:{body})?" if body else ""
-        return rf"\{{{w}(?:{body}){w}\}}"
+        return rf"\{{{w}(?:{members_regex(members, w)}){w}\}}"

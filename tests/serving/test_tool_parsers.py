@@ -9,6 +9,7 @@ import json
 import pytest
 
 from specdec.serving.tool_parsers import SYNTAXES, TOOL_CALL_PARSERS, parser_for
+from specdec.structured.regex import compile_regex
 from tests.test_structural_tag import accepts
 
 NAMES = ["weather", "clock"]
@@ -133,6 +134,7 @@ def test_llama3_json_strict_tag_holds_the_whole_reply_to_calls_or_to_text():
     and all of them read back by the parser, or text that cannot be taken for a call."""
     unit = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"]}
     tag = SYNTAXES["llama3_json"].strict([("weather", unit), ("clock", {"type": "object"})])
+    tag = tag["structural_tag"]
     calls = '{"name": "weather", "parameters": {"unit": "c"}}; {"name": "clock", "parameters": {}}'
     for reply in (calls, calls.split("; ")[0], '{"name": "clock", "parameters": {"a": [1]}}'):
         assert accepts(tag, reply), reply
@@ -148,3 +150,49 @@ def test_llama3_json_strict_tag_holds_the_whole_reply_to_calls_or_to_text():
         calls.replace("; ", ";"),
     ):
         assert not accepts(tag, bad), bad
+
+
+def test_pythonic_strict_guide_holds_each_call_to_its_schema_as_python_literals():
+    """With a strict tool, a pythonic reply is either a list of calls whose keyword arguments
+    the schemas accept (Python's True, False, None; nested dicts and lists), each read back by
+    the parser as those arguments, or text that opens no list."""
+    unit = {"type": "object", "properties": {
+        "unit": {"enum": ["c", "f"]}, "days": {"type": "integer", "minimum": 1},
+        "exact": {"type": "boolean"}, "where": {"type": ["object", "null"]},
+        "level": {"enum": [1, None, {"a": [True]}]}},
+        "required": ["unit"]}  # fmt: skip
+    guide = SYNTAXES["pythonic"].strict([("weather", unit), ("clock", {"type": "object"})])
+    dfa = compile_regex(guide["regex"])
+    parser = parser_for("pythonic", NAMES)
+    good = {
+        '[weather(unit="c")]': [{"unit": "c"}],
+        '[weather(unit="c", level=None)]': [{"unit": "c", "level": None}],
+        '[weather(unit="c", level={"a": [True]})]': [{"unit": "c", "level": {"a": [True]}}],
+        '[weather(unit="f", days=3, exact=True, where=None), clock()]': [
+            {"unit": "f", "days": 3, "exact": True, "where": None}, {}],
+        '[weather(unit="c", where={"city": "Paris", "ids": [1, false]}), clock(tz="UTC", x=1.5)]':
+            None,  # JSON's false inside a free-form value is no Python literal: see below
+        '[weather(unit="c", where={"city": "Paris", "ids": [1, False]}), clock(tz="UTC", x=1.5)]': [
+            {"unit": "c", "where": {"city": "Paris", "ids": [1, False]}}, {"tz": "UTC", "x": 1.5}],
+    }  # fmt: skip
+    for reply, arguments in good.items():
+        assert bool(dfa.fullmatch(reply)) == (arguments is not None), reply
+        if arguments is not None:
+            calls = parser.parse(reply).tool_calls
+            assert [json.loads(c.function.arguments) for c in calls] == arguments
+    for text in ("It is sunny.", "  Not [a call]", ""):
+        assert dfa.fullmatch(text) and not parser.parse(text).tool_calls, text
+    for bad in (
+        '[weather(unit="k")]',  # the schema's enum
+        "[weather(days=2)]",  # unit is required
+        '[weather(unit="c", days=0)]',  # minimum
+        '[weather(unit="c", exact=true)]',  # JSON's true is no Python literal
+        '[weather(days=2, unit="c")]',  # the schema's order
+        "[nope()]",
+        '[weather(unit="c", level=null)]',
+        '[weather(unit="c", level={"a": [true]})]',
+        '[weather(unit="c")] and more',
+    ):
+        assert not dfa.fullmatch(bad), bad
+    with pytest.raises(ValueError, match="'my-key' is not a Python identifier"):
+        SYNTAXES["pythonic"].strict([("f", {"properties": {"my-key": {}}})])

@@ -232,6 +232,7 @@ def test_strict_tools_under_auto_hold_each_call_to_its_schema(auto_served, offli
     and each call in Hermes' syntax with its function's arguments (a loose tool's: any object);
     not where the request gives its own guide, nor without a strict tool."""
     tag = SYNTAXES["hermes"].strict([("weather", UNIT), ("clock", {"type": "object"})])
+    tag = tag["structural_tag"]
     call = '<tool_call>\n{"name": "weather", "arguments": {"unit": "c"}}\n</tool_call>'
     assert accepts(tag, "Let me look." + call) and accepts(tag, "No call needed.")
     assert accepts(tag, call.replace('"weather", "arguments": {"unit": "c"}', '"clock", '
@@ -254,7 +255,7 @@ def test_strict_tools_under_auto_hold_each_call_to_its_schema(auto_served, offli
     flat = {"type": "function", "name": "weather", "parameters": UNIT, "strict": True}
     request = ResponsesRequest.model_validate({"input": "Weather?", "tools": [flat]})
     auto_tools(auto_served.state, request)  # the Responses API's tools, flat, the same
-    assert request.guide() == {"structural_tag": SYNTAXES["hermes"].strict([("weather", UNIT)])}
+    assert request.guide() == SYNTAXES["hermes"].strict([("weather", UNIT)])
     unfollowable = [{"type": "function", "function": {
         "name": "f", "strict": True, "parameters": {"multipleOf": 1}}}]  # fmt: skip
     response = auto_served.post(C, json={**body, "tools": unfollowable})
@@ -329,3 +330,24 @@ def test_structural_tags_as_vllm_takes_them(served, offline):
             body = {"messages": CHAT, "max_tokens": 24, "temperature": 0} | extra
             reply = served.post(C, json=body).json()
             assert reply["choices"][0]["message"]["content"] == expected, extra
+
+
+def test_strict_tools_under_auto_with_the_pythonic_parser(offline):
+    """The pythonic syntax's guide is a regex of Python calls: the served reply is the offline
+    one under it; a strict tool whose properties cannot be keywords is refused with 400."""
+    config = ServerConfig(
+        served_model_name=MODEL, enable_auto_tool_choice=True, tool_call_parser="pythonic"
+    )
+    served = start_server(config)
+    try:
+        body = {"messages": CHAT, "tools": STRICT, "max_tokens": 40, "temperature": 0}
+        reply = served.post(C, json=body).json()["choices"][0]["message"]
+        guide = SYNTAXES["pythonic"].strict([("weather", UNIT), ("clock", {"type": "object"})])
+        params = SamplingParams(temperature=0, max_tokens=40, **guide)
+        assert reply["content"] == offline.chat(CHAT, params, tools=STRICT)[0].text
+        dashed = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+            "type": "object", "properties": {"my-key": {"type": "string"}}}}}]  # fmt: skip
+        response = served.post(C, json={**body, "tools": dashed})
+        assert_error(response, 400, "'my-key' is not a Python identifier", "tools")
+    finally:
+        served.stop()
