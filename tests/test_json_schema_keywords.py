@@ -281,3 +281,26 @@ def test_a_string_pattern_never_writes_what_json_escapes():
         schema_regex({"type": "string", "pattern": '^"+$'})
     assert compile_regex(schema_regex({"type": "string", "pattern": '"|ab'})).fullmatch('"ab"')
     assert compile_regex(schema_regex({"type": "string", "pattern": 'a"*'})).fullmatch('"a"')
+
+
+def test_a_pattern_or_format_with_lengths_keeps_both_or_is_refused():
+    def matches(schema: dict, text: str) -> bool:
+        return compile_regex(schema_regex({"type": "string", **schema})).fullmatch(text)
+
+    word = {"pattern": "^[a-z]+$", "maxLength": 5, "minLength": 2}
+    assert matches(word, '"abcde"') and not matches(word, '"abcdef"') and not matches(word, '"a"')
+    assert matches({"pattern": "[0-9]{2,9}", "maxLength": 3}, '"123"')
+    assert not matches({"pattern": "[0-9]{2,9}", "maxLength": 3}, '"1234"')
+    fixed = {"pattern": r"^\d{3}-\d{4}$", "maxLength": 8}  # every string 8 long: as it is
+    assert matches(fixed, '"555-1234"')
+    assert matches({"format": "date", "minLength": 10, "maxLength": 10}, '"2024-02-29"')
+    for schema, message in [
+        (
+            {"pattern": "^a+b*$", "maxLength": 3},
+            "pattern '\\^a\\+b\\*\\$' with minLength/maxLength",
+        ),
+        ({"format": "email", "maxLength": 30}, "format 'email' with minLength/maxLength"),
+        ({"pattern": "[a-z]{6,}", "maxLength": 5}, "has no string of 0 to 5 characters"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            schema_regex({"type": "string", **schema})

@@ -17,7 +17,8 @@ Supported keywords: ``type`` (one or a list), ``properties``, ``required``,
 ``additionalProperties`` (false, true or a schema), ``items``, ``prefixItems`` (tuples),
 ``minItems``, ``maxItems``, ``enum``, ``const``, ``anyOf``, ``oneOf``, a one-item ``allOf``,
 ``minimum``, ``maximum``, ``exclusiveMinimum``, ``exclusiveMaximum``
-(:mod:`~specdec.structured.json_numbers`), ``minLength``, ``maxLength``, ``pattern``,
+(:mod:`~specdec.structured.json_numbers`), ``minLength``, ``maxLength``, ``pattern`` (with
+lengths where :func:`~specdec.structured.json_strings.within` can keep both),
 ``format`` (``date``, ``time``, ``date-time``, ``uuid``, ``email``, ``hostname``, ``ipv4``),
 ``$ref`` to ``#`` or any JSON pointer within the schema (``#/$defs/node``; recursive ones too),
 and the annotations that constrain nothing (``title``, ``description``, ``default``,
@@ -33,6 +34,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from specdec.structured.json_numbers import number_range
+from specdec.structured.json_strings import other_key, within
 from specdec.structured.regex import MAX_CODEPOINT, parse_regex, render, restrict
 
 WHITESPACE = r"[ ]?"
@@ -127,40 +129,6 @@ def _sequence(item: str, low: int, high: int | None, w: str) -> str:
     rest = f"{more}{{{max(low - 1, 0)},{'' if high is None else high - 1}}}"
     body = f"{item}{rest}"
     return rf"\[{w}{body}{w}\]" if low > 0 else rf"\[{w}(?:{body})?{w}\]"
-
-
-KEY_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\bfnrt])'  # a character with one spelling only
-
-
-def _other_key(names: list[str]) -> str:
-    """A key's characters (within its quotes) that spell none of ``names``: each character
-    written one way only (no ``\\u`` or ``\\/`` escapes), so a key other than the listed ones
-    cannot be one of them spelled another way. A trie of the names' spellings, and at each of
-    its nodes every way to leave it."""
-    spelled = []
-    for name in names:
-        text = json.dumps(name, ensure_ascii=False)[1:-1]
-        units = re.findall(r"\\.|[^\\]", text)
-        if "\\u" not in text:  # (a name spelled only with \u cannot be met here)
-            spelled.append(tuple(units))
-
-    def rest(group: list[tuple[str, ...]], at: int) -> str:
-        ends = any(len(units) == at for units in group)
-        nexts = sorted({units[at] for units in group if len(units) > at})
-        chars = "".join(re.escape(u) for u in nexts if len(u) == 1)
-        escapes = "".join(u[1] for u in nexts if len(u) == 2)
-        others = [rf'[^"\\\x00-\x1f{chars}]']
-        left = [c for c in '"\\bfnrt' if c not in escapes]
-        if left:
-            others.append(rf"\\[{''.join(re.escape(c) for c in left)}]")
-        options = [f"(?:{'|'.join(others)}){KEY_CHAR}*"]
-        for unit in nexts:
-            after = rest([u for u in group if len(u) > at and u[at] == unit], at + 1)
-            options.append(f"{re.escape(unit)}(?:{after})")
-        body = "|".join(options)
-        return body if ends else f"(?:{body})?"
-
-    return rest(spelled, 0)
 
 
 def _literal(value: Any) -> str:
@@ -321,24 +289,29 @@ class _Builder:
         raise ValueError(f"json_schema type {kind!r} is not a JSON type")
 
     def string(self, schema: dict[str, Any]) -> str:
-        if "pattern" in schema:  # its own syntax (no (?&n) call of a rule), and the strings it
-            # matches that JSON writes as they are: no quote, backslash or control character,
-            # which the pattern would otherwise write unescaped into the document
-            tree = restrict(parse_regex(schema["pattern"]), PLAIN)
-            if tree is None:
-                raise ValueError(
-                    f"json_schema pattern {schema['pattern']!r} matches only strings with a "
-                    "character JSON escapes (a quote, a backslash or a control character)"
-                )
-            return f'"{render(tree)}"'
-        if "format" in schema:
-            if schema["format"] not in FORMATS:
-                raise ValueError(f"json_schema string format {schema['format']!r} is not supported")
-            return f'"{FORMATS[schema["format"]]}"'
+        """A string of ``minLength`` to ``maxLength`` characters, of the ``pattern`` or
+        ``format`` if given (its strings that JSON writes as they are: no quote, backslash or
+        control character, which the pattern would otherwise write unescaped)."""
         low, high = schema.get("minLength", 0), schema.get("maxLength")
-        if low == 0 and high is None:
-            return STRING
-        return f'"{STRING_CHAR}{{{low},{"" if high is None else high}}}"'
+        if "pattern" not in schema and "format" not in schema:
+            if low == 0 and high is None:
+                return STRING
+            return f'"{STRING_CHAR}{{{low},{"" if high is None else high}}}"'
+        if "pattern" in schema:
+            what = f"pattern {schema['pattern']!r}"
+            tree = restrict(parse_regex(schema["pattern"]), PLAIN)  # no (?&n) call of a rule
+        elif schema["format"] in FORMATS:
+            what, tree = f"format {schema['format']!r}", parse_regex(FORMATS[schema["format"]])
+        else:
+            raise ValueError(f"json_schema string format {schema['format']!r} is not supported")
+        if tree is None:
+            raise ValueError(
+                f"json_schema {what} matches only strings with a character JSON escapes (a "
+                "quote, a backslash or a control character)"
+            )
+        if low != 0 or high is not None:
+            tree = within(tree, low, high, what)
+        return f'"{render(tree)}"'
 
     def array(self, schema: dict[str, Any], refs: int) -> str:
         """``items`` of one schema, or after ``prefixItems`` (a tuple: an item of each in turn,
@@ -380,7 +353,7 @@ class _Builder:
         ]
         extra = schema.get("additionalProperties")
         if extra is not None and extra is not False and (extra is not True or properties):
-            key = f'"{_other_key(list(properties))}"' if properties else STRING
+            key = f'"{other_key(list(properties))}"' if properties else STRING
             other = f"{key}{w}:{w}{self.value(True if extra == {} else extra, refs)}"
             members.append((f"{other}(?:{w},{w}{other})*", False))
         missing = required - set(properties)
