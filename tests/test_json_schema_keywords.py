@@ -304,3 +304,23 @@ def test_a_pattern_or_format_with_lengths_keeps_both_or_is_refused():
     ]:
         with pytest.raises(ValueError, match=message):
             schema_regex({"type": "string", **schema})
+
+
+def test_keywords_kept_only_where_they_constrain_nothing_else_refused():
+    def matches(schema: dict, text: str) -> bool:
+        return compile_regex(schema_regex(schema)).fullmatch(text)
+
+    nullable = {"type": "integer", "nullable": True, "contentMediaType": "text/plain"}
+    assert matches(nullable, "null") and matches(nullable, "3") and not matches(nullable, '"3"')
+    assert matches({"type": "array", "items": {"type": "integer"}, "uniqueItems": False}, "[1, 1]")
+    assert matches({"type": "array", "uniqueItems": True, "maxItems": 1}, "[1]")
+    closed = {"properties": {"a": {}}, "required": ["a"], "additionalProperties": False,
+              "minProperties": 1, "maxProperties": 1}  # fmt: skip
+    assert matches(closed, '{"a": 1}')
+    for schema, message in [
+        ({"type": "array", "uniqueItems": True}, "'uniqueItems' is not supported"),
+        ({"properties": {"a": {}}, "minProperties": 1}, "minProperties/maxProperties"),
+        ({"type": "object", "maxProperties": 3}, "minProperties/maxProperties"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            schema_regex(schema)

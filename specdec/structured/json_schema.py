@@ -61,11 +61,13 @@ FREE_DEPTH = 2  # nesting of free-form objects and arrays
 MAX_REF_DEPTH = 3
 MAX_NESTING = 64  # schemas within schemas
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment",
-               "$defs", "definitions", "readOnly", "writeOnly", "deprecated"}  # fmt: skip
+               "$defs", "definitions", "readOnly", "writeOnly", "deprecated", "contentEncoding",
+               "contentMediaType", "$anchor", "discriminator"}  # fmt: skip
 BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 KEYWORDS = ANNOTATIONS | {"type", "properties", "required", "items", "minItems", "maxItems",
                           "enum", "const", "anyOf", "oneOf", "allOf", "minLength", "maxLength",
                           "pattern", "format", "$ref", "additionalProperties", "prefixItems",
+                          "nullable", "uniqueItems", "minProperties", "maxProperties",
                           *BOUNDS}  # fmt: skip
 
 
@@ -129,6 +131,21 @@ def _sequence(item: str, low: int, high: int | None, w: str) -> str:
     rest = f"{more}{{{max(low - 1, 0)},{'' if high is None else high - 1}}}"
     body = f"{item}{rest}"
     return rf"\[{w}{body}{w}\]" if low > 0 else rf"\[{w}(?:{body})?{w}\]"
+
+
+def _unconstraining(schema: dict[str, Any]) -> None:
+    """Refuse ``uniqueItems`` and ``min/maxProperties`` unless every document the rest of the
+    schema allows meets them (a pattern cannot count distinct items or members)."""
+    if schema.get("uniqueItems") is True and schema.get("maxItems", 2) > 1:
+        raise ValueError("json_schema keyword 'uniqueItems' is not supported (true, with more "
+                         "than one item)")  # fmt: skip
+    listed, required = schema.get("properties", {}), schema.get("required", [])
+    closed = schema.get("additionalProperties") is False
+    if schema.get("minProperties", 0) > len(set(required)) or (
+        "maxProperties" in schema and not (closed and schema["maxProperties"] >= len(listed))
+    ):
+        raise ValueError("json_schema minProperties/maxProperties are supported only where the "
+                         "required and listed properties already meet them")  # fmt: skip
 
 
 def _literal(value: Any) -> str:
@@ -202,6 +219,10 @@ class _Builder:
         unknown = sorted(set(schema) - KEYWORDS)
         if unknown:
             raise ValueError(f"json_schema keyword {unknown[0]!r} is not supported")
+        if schema.get("nullable") is True:  # OpenAPI's: the value, or null
+            rest = {k: v for k, v in schema.items() if k != "nullable"}
+            return f"(?:{self.value(rest, refs)}|{self.literal(None)})"
+        _unconstraining(schema)
         if "$ref" in schema:
             return self.reference(schema["$ref"], refs)
         if "const" in schema:
