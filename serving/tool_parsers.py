@@ -194,7 +194,7 @@ def _pythonic_guide(tools: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
 
 def _keywords(schema: dict[str, Any]) -> str:
     """A strict tool's keyword arguments; a loose one's (its schema ``{"type": "object"}``, see
-    tools.strict_calls): any text but a bracket outside a string, the parser's to judge (a
+    tools.strict_calls): any text but a parenthesis outside a string, the parser's to judge (a
     pattern of every literal nested as deep as JSON guides nest takes thousands of states)."""
     if schema == {"type": "object"}:
         return f'(?:[^()"]|{STRING})*'

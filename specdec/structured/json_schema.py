@@ -2,11 +2,10 @@
 accepts, as Outlines (Willard and Louf 2023) builds one for guided generation.
 
 Objects list their properties in the schema's order: required ones always, optional ones where
-the model chooses, then others only where ``additionalProperties`` is true or a schema (their
-keys any string: one may repeat a listed property's, which the schema's ``properties`` would
-then judge; an output that does so is the model's choice, never forced). Between JSON tokens at most one space is allowed
-(:data:`WHITESPACE`), as in Outlines: a small model offered free whitespace can spend its whole
-budget on it. JSON itself is not regular: :func:`schema_rules` writes free-form values (``{}``,
+the model chooses, then others only where ``additionalProperties`` is true or a schema (keys
+other than the listed ones: :func:`~specdec.structured.json_strings.other_key`). Between JSON
+tokens at most one space is allowed (:data:`WHITESPACE`), as in Outlines: a small model offered
+free whitespace can spend its whole budget on it. JSON itself is not regular: :func:`schema_rules` writes free-form values (``{}``,
 ``true``, an object without ``properties``, ``response_format: json_object``) and recursive
 ``$ref`` targets as rules of their own, which the pushdown guide follows to any depth, while
 :func:`schema_regex` (one pattern: a JSON guide with its own whitespace, ``whitespace_pattern``,
@@ -22,7 +21,10 @@ lengths where :func:`~specdec.structured.json_strings.within` can keep both),
 ``format`` (``date``, ``time``, ``date-time``, ``uuid``, ``email``, ``hostname``, ``ipv4``),
 ``$ref`` to ``#`` or any JSON pointer within the schema (``#/$defs/node``; recursive ones too),
 and the annotations that constrain nothing (``title``, ``description``, ``default``,
-``examples``, ``$schema``, ``$id``, ``$comment``, ``readOnly``, ``writeOnly``, ``deprecated``).
+``examples``, ``$schema``, ``$id``, ``$comment``, ``readOnly``, ``writeOnly``, ``deprecated``,
+``contentEncoding``, ``contentMediaType``, ``$anchor``, OpenAPI's ``discriminator``); OpenAPI's
+``nullable``; ``uniqueItems``, ``minProperties`` and ``maxProperties`` where the rest of the
+schema already meets them.
 Any other keyword is refused by name rather than silently ignored.
 """
 
