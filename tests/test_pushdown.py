@@ -229,3 +229,15 @@ def test_a_guide_is_built_once_per_schema(make_llm, monkeypatch):
         first = guides.for_params(SamplingParams(json_schema=schema))
         assert guides.for_params(SamplingParams(json_schema=schema)) is first
     assert len(written) == 2
+
+
+def test_a_schema_or_grammar_whose_rules_never_end_is_refused(make_llm):
+    """``{"$ref": "#"}`` is a rule that calls itself before anything else: no document; before,
+    its guide allowed only the end, an empty output. The engine refuses the request, and keeps
+    none of it (``make_llm`` checks that every KV block is free)."""
+    llm = make_llm()
+    for schema in ({"$ref": "#"}, {"allOf": [{"$ref": "#"}]}):
+        with pytest.raises(ValueError, match="the guide matches no string"):
+            llm.generate([[1, 2, 3]], SamplingParams(json_schema=schema, max_tokens=4))
+    ok = SamplingParams(json_schema={"type": "array", "items": {"$ref": "#"}}, max_tokens=4)
+    assert llm.generate([[1, 2, 3]], ok)[0].outputs[0].text.startswith("[")
