@@ -112,6 +112,28 @@ def _avoid(nfa: _NFA, words: tuple[bytes, ...], start: int) -> int:
     return end
 
 
+def ending(trees: list[tuple]) -> set[int]:
+    """Which of ``trees`` (a guide's rules, the first its whole output's) match some string,
+    their ``("call", n)`` nodes followed: found until none is added (a rule whose every way
+    through calls one that never ends, as ``{"$ref": "#"}`` does, is not among them)."""
+    done: set[int] = set()
+
+    def ends(node: tuple) -> bool:
+        kind = node[0]
+        if kind == "call":
+            return node[1] in done
+        if kind in ("cat", "alt"):
+            test = all if kind == "cat" else any
+            return test(ends(n) for n in node[1])
+        if kind == "rep":
+            return node[2] == 0 or ends(node[1])
+        return kind != "set" or bool(node[1])  # a character set, or free text ("avoid")
+
+    while more := {i for i, tree in enumerate(trees) if i not in done and ends(tree)}:
+        done |= more
+    return done
+
+
 @dataclass(slots=True)
 class DFA:
     """``table[s, b]``: the state after byte ``b`` from state ``s``; :data:`DEAD` (0) is the

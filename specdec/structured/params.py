@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from specdec.structured.automaton import ending
 from specdec.structured.grammar import grammar_rules
 from specdec.structured.json_schema import schema_regex, schema_rules
 from specdec.structured.regex import parse_regex
@@ -109,8 +110,9 @@ def check_guides(params: Any) -> None:  # noqa: ANN401 - a SamplingParams (which
     if regex is not None:
         parse_regex(regex)
     if schema is not None:
-        for rule in schema_rules(schema):  # the guide's patterns
-            parse_regex(rule, calls=True)
+        trees = [parse_regex(rule, calls=True) for rule in schema_rules(schema)]  # the guide's
+        _require(0 in ending(trees), "json_schema matches no document: each way through it "
+                 "refers to itself before anything else (a $ref to itself, say)")  # fmt: skip
     if params.grammar is not None:
         _require(
             isinstance(params.grammar, str) and params.grammar.strip(),
@@ -123,7 +125,9 @@ def check_guides(params: Any) -> None:  # noqa: ANN401 - a SamplingParams (which
             isinstance(params.structural_tag, (str, dict)),
             f"structural_tag must be its JSON text or an object, got {params.structural_tag!r}",
         )
-        structural_tag_rules(params.structural_tag)
+        _require(0 in ending(structural_tag_rules(params.structural_tag)),
+                 "structural_tag matches no string: a schema in it refers to itself before "
+                 "anything else")  # fmt: skip
     guides = [n for n in GUIDES if getattr(params, n) is not None]
     _require(len(guides) <= 1, f"give one of {', '.join(GUIDES)}, not {guides}")
     _require(

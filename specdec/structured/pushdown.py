@@ -110,30 +110,6 @@ class StackTable:
         return done[a, b]
 
 
-def ending(dfas: list[DFA]) -> set[int]:
-    """The patterns that match some string, their calls followed: those whose start reaches an
-    accepting state by bytes and calls of patterns that do (found until none is added)."""
-    done: set[int] = set()
-    while True:
-        more = {r for r, dfa in enumerate(dfas) if r not in done and _reaches_end(dfa, done)}
-        if not more:
-            return done
-        done |= more
-
-
-def _reaches_end(dfa: DFA, ending: set[int]) -> bool:
-    seen, todo = {dfa.start}, [dfa.start]
-    while todo:
-        s = todo.pop()
-        if dfa.accepting[s]:
-            return True
-        after = {int(t) for t in np.unique(dfa.table[s])} - {DEAD}
-        after |= {back for rule, back in dfa.calls.get(s, ()) if rule in ending}
-        todo.extend(after - seen)
-        seen |= after
-    return False
-
-
 Config = tuple[int, int, Stacks]  # (automaton, state, the stacks of return points under it)
 
 
@@ -164,11 +140,6 @@ class PushdownGuide:
             calling = np.zeros(len(dfa.accepting), bool)
             calling[list(dfa.calls)] = True
             self.calling.append(calling)
-        if 0 not in ending(dfas):
-            raise ValueError(
-                "the guide matches no string: each way through it calls a rule that never "
-                "ends (a schema's $ref to itself with nothing around it, say)"
-            )
 
     def start(self) -> frozenset[Config]:
         return self._closure({(0, self.dfas[0].start): self.stacks.empty})
