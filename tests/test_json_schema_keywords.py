@@ -15,8 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from specdec import SamplingParams
 from specdec.structured.json_numbers import number_range
-from specdec.structured.json_schema import PLAIN, schema_regex
+from specdec.structured.json_schema import PLAIN, schema_regex, schema_rules
 from specdec.structured.pushdown import PushdownGuide
+from specdec.structured.python_args import keyword_arguments_regex
 from specdec.structured.regex import compile_regex, parse_regex, render, restrict
 from tests.test_grammar import accepted
 from tests.test_structured import ALPHABET, PATTERNS
@@ -324,3 +325,18 @@ def test_keywords_kept_only_where_they_constrain_nothing_else_refused():
     ]:
         with pytest.raises(ValueError, match=message):
             schema_regex(schema)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [{"properties": []}, {"properties": {"a": 5}}, {"additionalProperties": 5},
+     {"prefixItems": [5]}, {"type": "string", "pattern": 5}, {"required": 5}, {"enum": 5},
+     {"type": "string", "minLength": "x", "pattern": "a+"}, {"minProperties": "x"}],
+)  # fmt: skip
+def test_a_keyword_of_the_wrong_type_is_a_clear_error(schema):
+    """Not a TypeError from deep inside (the server's 500): a ValueError that says so, from each
+    way a schema is written out (one regex, the pushdown guide's rules, a Python call's)."""
+    python = (keyword_arguments_regex,) if "properties" in schema else ()  # its keywords
+    for write in (schema_regex, schema_rules, *python):
+        with pytest.raises(ValueError, match="malformed|must|not supported"):
+            write(schema)

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import unquote
 
@@ -76,7 +78,8 @@ KEYWORDS = ANNOTATIONS | {"type", "properties", "required", "items", "minItems",
 def schema_regex(schema: dict[str, Any] | bool | str, whitespace: str = WHITESPACE) -> str:
     """The regular expression of ``schema`` (a dict, a boolean, or its JSON text);
     ``whitespace``: the pattern allowed between JSON tokens."""
-    return _Builder(_loaded(schema), whitespace).value(_loaded(schema), 0)
+    with well_formed():
+        return _Builder(_loaded(schema), whitespace).value(_loaded(schema), 0)
 
 
 def schema_rules(
@@ -87,8 +90,21 @@ def schema_rules(
     and recursive ``$ref`` targets are rules of their own, so they nest to any depth. One
     pattern where the schema has neither (it is :func:`schema_regex`'s)."""
     builder = _Builder(_loaded(schema), whitespace, calls=True)
-    root = builder.value(builder.root, 0)
+    with well_formed():
+        root = builder.value(builder.root, 0)
     return (root, *builder.rules)
+
+
+@contextmanager
+def well_formed() -> Iterator[None]:
+    """A keyword whose value has the wrong type (``"properties": []``, ``"minLength": "x"``)
+    met while a schema is written out: a ValueError that says so, not a crash."""
+    try:
+        yield
+    except (TypeError, AttributeError) as e:
+        raise ValueError(
+            f"json_schema is malformed: a keyword's value has the wrong type ({e})"
+        ) from None
 
 
 def _loaded(schema: dict[str, Any] | bool | str) -> dict[str, Any] | bool:

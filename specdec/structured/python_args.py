@@ -21,6 +21,7 @@ from specdec.structured.json_schema import (
     _loaded,
     free_json_regex,
     members_regex,
+    well_formed,
 )
 
 PYTHON_SCALARS = {**SCALARS, "boolean": "(?:True|False)", "null": "None"}
@@ -61,14 +62,16 @@ def keyword_arguments_regex(schema: dict[str, Any] | bool | str) -> str:
         value = free_json_regex(w=w, scalars=PYTHON_SCALARS)
         keyword = f"{IDENTIFIER}={value}"
         return f"(?:{keyword}(?:{w},{w}{keyword})*)?"
-    required = set(schema.get("required", []))
-    for name in properties:
-        if not re.fullmatch(IDENTIFIER, name):
-            raise ValueError(f"property {name!r} is not a Python identifier: not a keyword")
-    missing = required - set(properties)
-    if missing:
-        raise ValueError(f"json_schema requires {sorted(missing)[0]!r}, not in properties")
-    members = [
-        (f"{name}={builder.value(sub, 0)}", name in required) for name, sub in properties.items()
-    ]
+    with well_formed():
+        required = set(schema.get("required", []))
+        for name in properties:
+            if not re.fullmatch(IDENTIFIER, name):
+                raise ValueError(f"property {name!r} is not a Python identifier: not a keyword")
+        missing = required - set(properties)
+        if missing:
+            raise ValueError(f"json_schema requires {sorted(missing)[0]!r}, not in properties")
+        members = [
+            (f"{name}={builder.value(sub, 0)}", name in required)
+            for name, sub in properties.items()
+        ]
     return members_regex(members, w)

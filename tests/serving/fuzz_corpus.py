@@ -87,6 +87,12 @@ SPECIAL = [
     ("guided_regex", json.dumps("(a|b)*a(a|b){2000}")),  # refused by its bound, not compiled
     ("guided_regex", json.dumps("[\\ud800]")),
     ("guided_json", json.dumps({"$defs": {"n": {"$ref": "#/$defs/n"}}, "$ref": "#/$defs/n"})),
+    ("guided_json", json.dumps({"properties": [], "additionalProperties": 5})),  # wrong types
+    ("guided_json", json.dumps({"type": "string", "minLength": "x", "pattern": "a+"})),
+    ("guided_json", json.dumps({"type": "integer", "minimum": 1e300, "maximum": "2"})),
+    ("guided_json", json.dumps({"type": "array", "prefixItems": [5], "minItems": "a"})),
+    ("guided_json", json.dumps({"$ref": "#/properties/none"})),
+    ("guided_json", json.dumps({"type": "number", "minimum": 10**40, "maximum": 10**41 + 0.5})),
     ("structured_outputs", json.dumps({"json_object": True})),
     ("stop", json.dumps(["x" * 3000] * 1000)),  # 3 MB of stop strings: refused, not run
     ("stop", json.dumps([f"s{i}" for i in range(10_000)])),
