@@ -5,12 +5,12 @@ Objects list their properties in the schema's order: required ones always, optio
 the model chooses, then others only where ``additionalProperties`` is true or a schema (keys
 other than the listed ones: :func:`~specdec.structured.json_strings.other_key`). Between JSON
 tokens at most one space is allowed (:data:`WHITESPACE`), as in Outlines: a small model offered
-free whitespace can spend its whole budget on it. JSON itself is not regular: :func:`schema_rules` writes free-form values (``{}``,
-``true``, an object without ``properties``, ``response_format: json_object``) and recursive
-``$ref`` targets as rules of their own, which the pushdown guide follows to any depth, while
-:func:`schema_regex` (one pattern: a JSON guide with its own whitespace, ``whitespace_pattern``,
-becomes a regex) nests free-form values at most :data:`FREE_DEPTH` levels and follows ``$ref`` at
-most :data:`MAX_REF_DEPTH` deep.
+free whitespace can spend its whole budget on it. JSON itself is not regular:
+:func:`schema_rules` writes free-form values (``{}``, ``true``, an object without
+``properties``, ``response_format: json_object``) and recursive ``$ref`` targets as rules of
+their own, which the pushdown guide follows to any depth, while :func:`schema_regex` (one
+pattern: a JSON guide with its own whitespace, ``whitespace_pattern``, becomes a regex) nests
+free-form values at most :data:`FREE_DEPTH` deep and ``$ref`` at most :data:`MAX_REF_DEPTH`.
 
 Supported keywords: ``type`` (one or a list), ``properties``, ``required``,
 ``additionalProperties`` (false, true or a schema), ``items``, ``prefixItems`` (tuples),
@@ -24,8 +24,7 @@ and the annotations that constrain nothing (``title``, ``description``, ``defaul
 ``examples``, ``$schema``, ``$id``, ``$comment``, ``readOnly``, ``writeOnly``, ``deprecated``,
 ``contentEncoding``, ``contentMediaType``, ``$anchor``, OpenAPI's ``discriminator``); OpenAPI's
 ``nullable``; ``uniqueItems``, ``minProperties`` and ``maxProperties`` where the rest of the
-schema already meets them.
-Any other keyword is refused by name rather than silently ignored.
+schema already meets them. Any other keyword is refused by name rather than silently ignored.
 """
 
 from __future__ import annotations

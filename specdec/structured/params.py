@@ -29,7 +29,8 @@ class StructuredOutputsParams:
     guide is then the schema's regex with it (``SamplingParams.regex``).
     ``disable_additional_properties`` changes nothing: an object takes properties its schema
     does not list only where its ``additionalProperties`` says so (true or a schema), never by
-    default (what the flag asks of vLLM's guidance backend). ``disable_fallback`` has no meaning here (one guide, no fallback)."""
+    default (what the flag asks of vLLM's guidance backend). ``disable_fallback`` has no
+    meaning here (one guide, no fallback)."""
 
     json: dict[str, Any] | str | None = None
     regex: str | None = None
