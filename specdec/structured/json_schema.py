@@ -78,7 +78,7 @@ def schema_regex(schema: dict[str, Any] | bool | str, whitespace: str = WHITESPA
     """The regular expression of ``schema`` (a dict, a boolean, or its JSON text);
     ``whitespace``: the pattern allowed between JSON tokens."""
     with well_formed():
-        return _Builder(_loaded(schema), whitespace).value(_loaded(schema), 0)
+        return SchemaBuilder(loaded_schema(schema), whitespace).value(loaded_schema(schema), 0)
 
 
 def schema_rules(
@@ -88,7 +88,7 @@ def schema_rules(
     document's, for the pushdown guide (:mod:`specdec.structured.pushdown`): free-form values
     and recursive ``$ref`` targets are rules of their own, so they nest to any depth. One
     pattern where the schema has neither (it is :func:`schema_regex`'s)."""
-    builder = _Builder(_loaded(schema), whitespace, calls=True)
+    builder = SchemaBuilder(loaded_schema(schema), whitespace, calls=True)
     with well_formed():
         root = builder.value(builder.root, 0)
     return (root, *builder.rules)
@@ -106,7 +106,7 @@ def well_formed() -> Iterator[None]:
         ) from None
 
 
-def _loaded(schema: dict[str, Any] | bool | str) -> dict[str, Any] | bool:
+def loaded_schema(schema: dict[str, Any] | bool | str) -> dict[str, Any] | bool:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -183,7 +183,7 @@ def members_regex(members: list[tuple[str, bool]], w: str) -> str:
     return body
 
 
-class _Builder:
+class SchemaBuilder:
     scalars = SCALARS  # the scalar types' patterns
     literal = staticmethod(_literal)  # a JSON value's pattern
 

@@ -17,9 +17,9 @@ from typing import Any
 from specdec.structured.json_schema import (
     SCALARS,
     WHITESPACE,
-    _Builder,
-    _loaded,
+    SchemaBuilder,
     free_json_regex,
+    loaded_schema,
     members_regex,
     well_formed,
 )
@@ -42,7 +42,7 @@ def _python_literal(value: Any) -> str:  # noqa: ANN401 - any JSON value
     return json.dumps(value, ensure_ascii=False)
 
 
-class _PythonBuilder(_Builder):
+class _PythonBuilder(SchemaBuilder):
     scalars = PYTHON_SCALARS
     literal = staticmethod(lambda value: re.escape(_python_literal(value)))
 
@@ -51,7 +51,7 @@ def keyword_arguments_regex(schema: dict[str, Any] | bool | str) -> str:
     """The pattern of the keyword arguments (what goes between a call's brackets) whose values
     the object schema ``schema`` accepts; any keywords and literals where it lists no
     properties."""
-    schema = _loaded(schema)
+    schema = loaded_schema(schema)
     builder, w = _PythonBuilder(schema, WHITESPACE), WHITESPACE
     if schema is True or schema == {}:
         schema = {"type": "object"}
