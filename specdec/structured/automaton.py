@@ -127,6 +127,8 @@ def ending(trees: list[tuple]) -> set[int]:
             return test(ends(n) for n in node[1])
         if kind == "rep":
             return node[2] == 0 or ends(node[1])
+        if kind == "count":  # ("count", rule, low, high): see counter()
+            return node[2] == 0 or node[1] in done
         return kind != "set" or bool(node[1])  # a character set, or free text ("avoid")
 
     while more := {i for i, tree in enumerate(trees) if i not in done and ends(tree)}:
@@ -141,12 +143,14 @@ class DFA:
     it. ``accepting[s]``: whether the bytes read so far match in full. Start: state 1.
     ``calls[s]``: where a tree's ``("call", rule)`` nodes are (a grammar's recursion, see
     :mod:`specdec.structured.pushdown`), the rules that may be read from ``s``, each with the
-    state to go on from after it; none in a pattern's DFA."""
+    state to go on from after it; none in a pattern's DFA. ``counts``: a :func:`counter`'s
+    (low, high), whose state ``1 + c`` is c readings done."""
 
     table: np.ndarray  # [S, 256] int32
     accepting: np.ndarray  # [S] bool
     start: int = 1
     calls: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    counts: tuple[int, int | None] | None = None
 
     def walk(self, state: int, data: bytes) -> int:
         for byte in data:
@@ -214,6 +218,20 @@ def compile_tree(tree: tuple, name: str) -> DFA:
     calls = {s: [(r, b) for r, b in c if live[b]] for s, c in calls.items() if live[s]}
     table = np.where(live[table], table, DEAD).astype(np.int32)
     return DFA(table, accepting, calls={s: c for s, c in calls.items() if c})
+
+
+def counter(rule: int, low: int, high: int | None) -> DFA:
+    """Rule ``rule`` read ``low`` to ``high`` times (None: no most), the count kept in the state
+    rather than the pattern unrolled (see :mod:`specdec.structured.counted`): an automaton
+    that reads no byte itself, whose state ``1 + c`` (c readings done) calls the rule to go on
+    to ``1 + c + 1``, and accepts from ``low`` readings on."""
+    last = low if high is None else high  # the state with no most loops on itself
+    size = last + 2
+    table = np.broadcast_to(np.zeros(256, np.int32), (size, 256))  # no byte leaves a state
+    accepting = np.zeros(size, bool)
+    accepting[1 + low :] = True
+    calls = {1 + c: [(rule, 2 + min(c, last - 1))] for c in range(last + (high is None))}
+    return DFA(table, accepting, calls=calls, counts=(low, high))
 
 
 def _live(table: np.ndarray, accepting: np.ndarray, calls: dict[int, list]) -> np.ndarray:

@@ -27,12 +27,13 @@ import numpy as np
 import torch
 
 from specdec.structured.after import after_text
+from specdec.structured.counted import counted
 from specdec.structured.grammar import grammar_rules
 from specdec.structured.json_schema import schema_rules
 from specdec.structured.masks import Masks
 from specdec.structured.params import GUIDES
 from specdec.structured.pushdown import PushdownGuide
-from specdec.structured.regex import DEAD, DFA, TooLarge, compile_regex, compile_tree, parse_regex
+from specdec.structured.regex import DEAD, DFA, TooLarge, compile_tree, counter, parse_regex, shown
 from specdec.structured.structural_tag import structural_tag_rules
 
 G = TypeVar("G", bound="RegexGuide | PushdownGuide")
@@ -110,7 +111,8 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 class Vocabulary:
     """A tokenizer's token bytes laid out for walking every token through a DFA at once: the
-    tokens with any bytes, longest first, as a [T, longest] byte matrix."""
+    tokens with any bytes, longest first, their bytes a row per position (a walk reads byte k of
+    every token still reading from one contiguous row)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]):
         spelled = token_bytes(tokenizer, vocab_size)
@@ -123,9 +125,10 @@ class Vocabulary:
         self.ids = np.array(ids, np.int64)
         self.lengths = np.array([len(spelled[i]) for i in ids], np.int64)
         longest = int(self.lengths[0]) if ids else 0
-        self.matrix = np.zeros((len(ids), longest), np.uint8)
+        matrix = np.zeros((len(ids), longest), np.uint8)
         for row, i in enumerate(ids):
-            self.matrix[row, : len(spelled[i])] = np.frombuffer(spelled[i], np.uint8)
+            matrix[row, : len(spelled[i])] = np.frombuffer(spelled[i], np.uint8)
+        self.columns = np.ascontiguousarray(matrix.T)  # [longest, T]: row k, each token's byte k
         # how many tokens are longer than k bytes, for k = 0 .. longest - 1
         self.longer = [int((self.lengths > k).sum()) for k in range(longest)]
         # [V] bool: the tokens that spell nothing and do not end the output (special tokens),
@@ -158,7 +161,7 @@ class RegexGuide:
         v, table = self.vocabulary, self.dfa.table
         at = np.full(len(v.ids), state, np.int32)
         for k, count in enumerate(v.longer):  # the tokens longer than k bytes read byte k
-            at[:count] = table[at[:count], v.matrix[:count, k]]
+            at[:count] = table[at[:count], v.columns[k, :count]]
         mask = np.zeros(v.size, bool)
         mask[v.ids[at != DEAD]] = True
         accepting = bool(self.dfa.accepting[state])
@@ -229,14 +232,19 @@ class GuideFactory:
         return self._rules(f"json\0{key}", lambda: _parsed(schema_rules(schema)), after)
 
     def _rules(
-        self, name: str, trees: Callable[[], list[tuple]], after: tuple[str | None, str]
+        self,
+        name: str,
+        trees: Callable[[], list[tuple]],
+        after: tuple[str | None, str],
+        label: str | None = None,
     ) -> Guide:
         """The guide of the syntax trees ``trees()`` gives, the first the whole output's, the
-        others rules it calls (a grammar's, a schema's, a structural tag's): the first's DFA
-        where there is no other (a :class:`RegexGuide`), else a :class:`PushdownGuide` over
-        their DFAs; after a text (``after``, see :meth:`_guide`) either way. Kept under
-        ``name``."""
-        label = name.split("\0")[0]
+        others rules it calls (a grammar's, a schema's, a structural tag's; repetitions with
+        large counts become rules too, :func:`~specdec.structured.counted.counted`): the
+        first's DFA where there is no other (a :class:`RegexGuide`), else a
+        :class:`PushdownGuide` over their DFAs; after a text (``after``, see :meth:`_guide`)
+        either way. Kept under ``name``; ``label`` names it in a too-large error."""
+        label = label or name.split("\0")[0]
         text, opening = after
         key = name if text is None else f"{opening}\0{text}\0{name}"  # as _guide keeps one
         with self._lock:
@@ -245,13 +253,15 @@ class GuideFactory:
                 if guide is not None:
                     self._cache.move_to_end(kept)
                     return guide
-        built = trees()
+        built = counted(trees())
         if len(built) == 1:
             return self._guide(name, lambda: compile_tree(built[0], label), after)
         compiled: dict[str, DFA] = {}  # a grammar's rules repeat (one may be the whole output)
         for tree in built:
             if repr(tree) not in compiled:
-                compiled[repr(tree)] = compile_tree(tree, label)
+                compiled[repr(tree)] = (
+                    counter(*tree[1:]) if tree[0] == "count" else compile_tree(tree, label)
+                )
         dfas = [compiled[repr(tree)] for tree in built]
         free = None
         if text is not None:
@@ -260,8 +270,9 @@ class GuideFactory:
             f"pushdown\0{key}", PushdownGuide(dfas, self._vocabulary_of(), free)
         )
 
-    def _regex(self, pattern: str, after: tuple[str | None, str] = (None, "")) -> RegexGuide:
-        return self._guide(pattern, lambda: compile_regex(pattern), after)
+    def _regex(self, pattern: str, after: tuple[str | None, str] = (None, "")) -> Guide:
+        trees = lambda: [parse_regex(pattern)]  # noqa: E731
+        return self._rules(pattern, trees, after, f"regex {shown(pattern)}")
 
     def _guide(
         self, name: str, compile: Callable[[], DFA], after: tuple[str | None, str]

@@ -44,6 +44,12 @@ from specdec.structured.masks import Masks
 MASKS_KEPT = 1024  # guide states whose masks are kept
 UNIONS_KEPT = 1 << 16  # unions of two sets of stacks kept
 MAX_STACK = 1_000  # return points a stack may hold (nesting past it is not followed)
+# return points that may be on top of a set of stacks: past it, the first (in point order) are
+# kept, the other parses dropped. No grammar we know of comes near it (a point is a call site
+# of one rule, still open at one place); a counted repetition that may begin at any of many
+# places (``(a|b)*a(a|b){2000}``, 2^2000 states as a DFA) reaches it, and each byte would cost
+# the square of its open counts.
+MAX_TOPS = 64
 
 Point = tuple[int, int]  # (automaton, state): where a called pattern returns to
 
@@ -70,6 +76,8 @@ class StackTable:
         self.empty = self.make(True, {})
 
     def make(self, empty: bool, tops: dict[Point, Stacks]) -> Stacks:
+        if len(tops) > MAX_TOPS:  # the first return points only (see MAX_TOPS)
+            tops = {p: tops[p] for p in sorted(tops)[:MAX_TOPS]}
         key = (empty, frozenset(tops.items()))
         stacks = self.kept.get(key)
         if stacks is None:
@@ -133,6 +141,22 @@ class PushdownGuide:
         self.stacks = StackTable()
         self.moves: OrderedDict[Config, frozenset[Config]] = OrderedDict()
         self.calling = []  # per automaton, [S] bool: states that may call a pattern
+        # per automaton, [S] bool: states some byte leaves (a counter's never: no token is
+        # walked from them)
+        self.reading = [(dfa.table != DEAD).any(axis=1) for dfa in dfas]
+        # counters (see specdec/structured/counted.py): automaton -> the runs of states
+        # (counts) among which the count does not change which tokens may follow. A token
+        # reads at most ``longest`` bytes, a reading at least one, so from count c a token
+        # ends at most ``longest`` readings on: counts that cannot reach ``low`` within a
+        # token look alike, and so do counts from ``low`` on that cannot reach ``high``.
+        self.zones: dict[int, list[tuple[int, int]]] = {}
+        for d, dfa in enumerate(dfas):
+            if dfa.counts is not None:
+                low, high, longest = *dfa.counts, vocabulary.columns.shape[0]
+                top = len(dfa.accepting) - 2 if high is None else high - longest
+                runs = [(0, min(low - longest - 1, top)), (low, top)]
+                if zones := [(1 + a, 1 + b) for a, b in runs if a < b]:
+                    self.zones[d] = zones
         for dfa in dfas:
             called = {rule for calls in dfa.calls.values() for rule, _ in calls}
             if not called <= set(range(1, len(dfas))):
@@ -162,12 +186,42 @@ class PushdownGuide:
         return state
 
     def allowed(self, state: frozenset[Config]) -> torch.Tensor:
-        mask = self.masks.get(state, self._mask)
+        mask = self.masks.get(self._plain(state) if self.zones else state, self._mask)
         return mask | self.unspelled if any(self._free(*c) for c in state) else mask
 
     def complete(self, state: frozenset[Config]) -> bool:
         """Whether the output read into ``state`` is a whole string of the grammar."""
         return any(stacks.empty and self.dfas[d].accepting[s] for d, s, stacks in state)
+
+    def _plain(self, state: frozenset[Config]) -> frozenset[Config]:
+        """``state`` with each count within one of its counter's zones (:attr:`zones`) set to
+        the zone's first: a state with the same masks, so that a long counted repetition computes
+        them once, not once a count."""
+        memo: dict[int, Stacks] = {}  # id of a set of stacks -> its plain one
+
+        def point(d: int, s: int) -> Point:
+            for first, last in self.zones.get(d, ()):
+                if first <= s <= last:
+                    return (d, first)
+            return (d, s)
+
+        def plain(stacks: Stacks) -> Stacks:
+            todo = [stacks]
+            while todo:  # the sets below first, without recursion: stacks may be deep
+                x = todo[-1]
+                missing = [b for b in x.tops.values() if id(b) not in memo]
+                if missing:
+                    todo.extend(missing)
+                    continue
+                todo.pop()
+                tops: dict[Point, Stacks] = {}
+                for p, below in x.tops.items():
+                    q, b = point(*p), memo[id(below)]
+                    tops[q] = self.stacks.union(tops[q], b) if q in tops else b
+                memo[id(x)] = self.stacks.make(x.empty, tops)
+            return memo[id(stacks)]
+
+        return frozenset((*point(d, s), plain(stacks)) for d, s, stacks in state)
 
     def _free(self, d: int, s: int, stacks: Stacks) -> bool:
         return d == 0 and stacks.empty and bool(self.free[s])
@@ -175,9 +229,9 @@ class PushdownGuide:
     def _mask(self, state: frozenset[Config]) -> np.ndarray:
         v = self.vocabulary
         ok = np.zeros(len(v.ids), bool)
-        rows = np.arange(len(v.ids))
         for config in state:
-            ok |= self._walk(config, rows, 0)
+            if self.reading[config[0]][config[1]]:
+                ok |= self._walk_all(config)
         mask = np.zeros(v.size, bool)
         mask[v.ids[ok]] = True
         if (
@@ -186,40 +240,114 @@ class PushdownGuide:
             mask[v.eos_token_ids] = True
         return mask
 
-    def _walk(self, config: Config, rows: np.ndarray, k: int) -> np.ndarray:
-        """Whether each token of ``rows`` (the vocabulary's, every one longer than ``k``
-        bytes) can be read from its byte ``k`` on, starting in ``config``."""
+    def _walk_all(self, config: Config) -> np.ndarray:
+        """Whether each token of the vocabulary can be read from ``config``: as
+        :meth:`_walk`, on slices of the vocabulary's tokens (longest first), as
+        :class:`~specdec.structured.guide.RegexGuide` walks them."""
         v = self.vocabulary
         d, state, stacks = config
-        table, accepting, calling = self.dfas[d].table, self.dfas[d].accepting, self.calling[d]
-        returns = bool(stacks.tops)
+        table, reading = self.dfas[d].table, self._branching(config)
+        ok = np.zeros(len(v.ids), bool)
+        at = np.full(len(v.ids), state, np.int32)
+        later: dict[Config, list[tuple[np.ndarray, np.ndarray]]] = {}
+        for k, count in enumerate(v.longer):  # the tokens longer than k bytes read byte k
+            at[:count] = table[at[:count], v.columns[k, :count]]
+            end = v.longer[k + 1] if k + 1 < len(v.longer) else 0  # [end, count): k + 1 long
+            ok[end:count] = at[end:count] != DEAD
+            branch = np.flatnonzero(reading[at[:end]])
+            if len(branch):
+                self._branch(config, at, branch, np.full(len(branch), k + 1), branch, later)
+        self._later(later, np.arange(len(v.ids)), ok)
+        return ok
+
+    def _walk(self, config: Config, rows: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """Whether each token of ``rows`` (the vocabulary's) can be read from its byte ``pos``
+        on (each longer than that), starting in ``config``.
+
+        Where tokens reach a state that may call, or return (with a point to return to), they
+        go on in each configuration that leads to as well: later, all that go on in one
+        configuration (from any byte) in one walk; at once, in this walk, where the state reads
+        nothing itself and the configuration differs from this one only in its state (a
+        repetition's next reading, its count in the zone where counts look alike)."""
+        v = self.vocabulary
+        d, state, stacks = config
+        table, branching = self.dfas[d].table, self._branching(config)
         lengths = v.lengths[rows]
         ok = np.zeros(len(rows), bool)
         at = np.full(len(rows), state, np.int32)
+        pos = pos.copy()
         live = np.arange(len(rows))
-        j = k
+        later: dict[Config, list[tuple[np.ndarray, np.ndarray]]] = {}  # config -> (rows, bytes)
         while len(live):
-            at[live] = table[at[live], v.matrix[rows[live], j]]
+            at[live] = table[at[live], v.columns[pos[live], rows[live]]]
             live = live[at[live] != DEAD]
-            j += 1
-            ok[live[lengths[live] == j]] = True
-            live = live[lengths[live] > j]
-            # tokens in a state that may call, or return (with a point to return to), go on
-            # from there too
-            branching = calling[at[live]] | (accepting[at[live]] & returns)
-            branch = live[branching]
-            for s in np.unique(at[branch]).tolist():
-                sub = branch[at[branch] == s]
-                for moved in self._moves((d, s, stacks)):
-                    ok[sub] |= self._walk(moved, rows[sub], j)
+            pos[live] += 1
+            whole = lengths[live] == pos[live]
+            ok[live[whole]] = True
+            live = live[~whole]
+            branch = live[branching[at[live]]]
+            if len(branch):
+                self._branch(config, at, branch, pos[branch], rows[branch], later)
+        self._later(later, rows, ok)
         return ok
 
+    def _branching(self, config: Config) -> np.ndarray:
+        """[S] bool: the states of ``config``'s automaton where a walk from it branches: those
+        that may call, and where there is a point to return to, those that may end."""
+        d, _, stacks = config
+        calling = self.calling[d]
+        return calling | self.dfas[d].accepting if stacks.tops else calling
+
+    def _branch(
+        self,
+        config: Config,
+        at: np.ndarray,
+        branch: np.ndarray,
+        pos: np.ndarray,
+        tokens: np.ndarray,
+        later: dict[Config, list[tuple[np.ndarray, np.ndarray]]],
+    ) -> None:
+        """The tokens ``branch`` (indices into ``at``; the vocabulary's ``tokens``, each at its
+        byte ``pos``) go on in each configuration their state in ``config``'s automaton moves
+        to (see :meth:`_walk`); to be walked later, only those whose next byte it reads."""
+        d, _, stacks = config
+        states = at[branch]
+        for s in np.flatnonzero(np.bincount(states)).tolist():
+            chosen = states == s
+            sub, where = branch[chosen], pos[chosen]
+            jump = not self.reading[d][s]  # the tokens here may move on in this walk
+            following: np.ndarray | None = None  # each token's next byte
+            for moved in self._moves((d, s, stacks)):
+                if jump and moved[0] == d and moved[2] is stacks:
+                    at[sub], jump = moved[1], False
+                elif self.reading[moved[0]][moved[1]]:
+                    if following is None:
+                        following = self.vocabulary.columns[where, tokens[chosen]]
+                    read = self.dfas[moved[0]].table[moved[1], following] != DEAD
+                    if read.any():
+                        later.setdefault(moved, []).append((sub[read], where[read]))
+
+    def _later(
+        self,
+        later: dict[Config, list[tuple[np.ndarray, np.ndarray]]],
+        rows: np.ndarray,
+        ok: np.ndarray,
+    ) -> None:
+        """Walk the tokens gathered in ``later`` (indices into ``rows``), a walk a
+        configuration, and mark those that go through in ``ok``."""
+        for moved, parts in later.items():
+            sub = np.concatenate([part for part, _ in parts])
+            went = self._walk(moved, rows[sub], np.concatenate([at for _, at in parts]))
+            ok[sub[went]] = True
+
     def _moves(self, config: Config) -> frozenset[Config]:
-        """The configurations ``config`` reaches by calls and returns alone (kept)."""
+        """The configurations ``config`` reaches by calls and returns alone (kept), counts
+        made plain (:meth:`_plain`: a walk reads one token, no more)."""
         moves = self.moves.get(config)
         if moves is None:
             d, s, stacks = config
-            moves = self.moves[config] = self._closure({(d, s): stacks}) - {config}
+            moves = self._closure({(d, s): stacks})
+            moves = self.moves[config] = (self._plain(moves) if self.zones else moves) - {config}
             if len(self.moves) > MASKS_KEPT:
                 self.moves.popitem(last=False)
         return moves

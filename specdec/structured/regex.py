@@ -21,9 +21,10 @@ from specdec.structured.automaton import DEAD as DEAD
 from specdec.structured.automaton import DFA as DFA
 from specdec.structured.automaton import TooLarge as TooLarge
 from specdec.structured.automaton import compile_tree as compile_tree
+from specdec.structured.automaton import counter as counter
 
 MAX_CODEPOINT = 0x10FFFF
-MAX_REPEAT = 1_000  # the largest {n,m} bound
+MAX_REPEAT = 100_000  # the largest {n,m} bound (large ones are counted: structured/counted.py)
 MAX_NESTING = 100  # groups within groups
 
 Ranges = list[tuple[int, int]]  # sorted, disjoint, inclusive code point ranges
