@@ -96,33 +96,37 @@ def test_a_long_json_string_is_counted_to_the_character(smol):
         assert accepted(guide, tokenizer, document) == ok, count
 
 
+def mask_matches_reading_alone(guide, tokenizer, text: str) -> None:  # noqa: ANN001
+    """The mask after ``text`` allows exactly the tokens that, read alone, leave a state."""
+    eos = tokenizer.eos_token_id
+    state = guide.start()
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        state = guide.advance(state, token)
+    mask = guide.allowed(state)
+    alone = [guide.advance(state, t) is not None for t in range(len(tokenizer))]
+    alone[eos] = bool(mask[eos])
+    assert mask.tolist() == alone, text[-20:]
+
+
 @pytest.mark.integration
 def test_counted_masks_match_each_token_read_alone_on_a_real_vocabulary(smol):
-    """SmolLM2's tokens read up to 81 bytes: at counts far from the bounds the masks are shared
-    (one per context), near them each count has its own; either way the mask found for all
-    tokens at once allows exactly the tokens that, read alone, keep a document reachable."""
+    """SmolLM2's tokens read up to 81 bytes (``"#" * 80`` is 80 characters of a JSON string):
+    counts that no token can carry to a bound share their masks, near a bound each count has
+    its own. At counts on either side of where the sharing stops, and at the bounds, the mask
+    found for all tokens at once allows exactly the tokens that, read alone, leave a state."""
     tokenizer, factory = smol
-    eos = tokenizer.eos_token_id
-    schema = {"type": "array", "items": {"type": "string", "minLength": 3, "maxLength": 150},
-              "maxItems": 3}  # fmt: skip
+    schema = {"type": "array", "items": {"type": "string", "minLength": 200, "maxLength": 400},
+              "maxItems": 2}  # fmt: skip
     guide = factory.for_params(SamplingParams(json_schema=schema))
-    assert isinstance(guide, PushdownGuide) and guide.zones
-    text = '["' + "Hello, wörld! " * 8 + 'x", "' + "Zürich\\n" * 18 + '1", "ab'
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    state = guide.start()
-    checked = 0
-    for i, token in enumerate(ids):
-        mask = guide.allowed(state)
-        assert mask[token], tokenizer.decode(ids[: i + 1])
-        if i in (3, 20, len(ids) // 2) or i > len(ids) - 3 or 30 <= i <= 32:
-            alone = [guide.advance(state, t) is not None for t in range(len(tokenizer))]
-            alone[eos] = bool(mask[eos])
-            assert mask.tolist() == alone, tokenizer.decode(ids[: i + 1])
-            checked += 1
-        state = guide.advance(state, token)
-    assert checked >= 6
-    assert not accepted(guide, tokenizer, '["' + "a" * 151 + '"]')
-    assert accepted(guide, tokenizer, '["' + "a" * 150 + '", "abc"]')
+    assert isinstance(guide, PushdownGuide) and len(next(iter(guide.zones.values()))) == 2
+    for count in (5, 118, 119, 120, 199, 200, 250, 319, 320, 321, 400):
+        mask_matches_reading_alone(guide, tokenizer, '["' + "a" * count)
+    mask_matches_reading_alone(guide, tokenizer, '["' + "ab" * 150 + '", "' + "é" * 120)
+    # an item that may go on reading where it may end: "ab" is one reading, not "a" then "b"
+    items = factory.for_params(SamplingParams(regex="(?:a|ab|#|b[cd]){10,300}"))
+    assert isinstance(items, PushdownGuide)
+    for text in ("", "ab" * 3, "abab" * 30 + "a", "ab" * 120 + "#" * 19, "ab" * 285):
+        mask_matches_reading_alone(items, tokenizer, text)
 
 
 def test_a_count_that_may_begin_anywhere_keeps_a_bounded_state(make_llm, monkeypatch):

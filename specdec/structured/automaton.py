@@ -127,8 +127,6 @@ def ending(trees: list[tuple]) -> set[int]:
             return test(ends(n) for n in node[1])
         if kind == "rep":
             return node[2] == 0 or ends(node[1])
-        if kind == "count":  # ("count", rule, low, high): see counter()
-            return node[2] == 0 or node[1] in done
         return kind != "set" or bool(node[1])  # a character set, or free text ("avoid")
 
     while more := {i for i, tree in enumerate(trees) if i not in done and ends(tree)}:

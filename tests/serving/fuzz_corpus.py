@@ -84,7 +84,8 @@ SPECIAL = [
     ("prompt", '["ok", 5]'),
     ("stop_token_ids", "[18446744073709551617]"),
     ("stop_token_ids", "[-1]"),
-    ("guided_regex", json.dumps("(a|b)*a(a|b){2000}")),  # refused by its bound, not compiled
+    ("guided_regex", json.dumps("(a|b)*a(a|b){2000}")),  # counted: at most 64 counts open
+    ("guided_regex", json.dumps("(a|b)*a(a|b){200000}")),  # past the largest bound: refused
     ("guided_regex", json.dumps("[\\ud800]")),
     ("guided_json", json.dumps({"$defs": {"n": {"$ref": "#/$defs/n"}}, "$ref": "#/$defs/n"})),
     ("guided_json", json.dumps({"properties": [], "additionalProperties": 5})),  # wrong types
