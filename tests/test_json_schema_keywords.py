@@ -11,7 +11,7 @@ from decimal import Decimal
 from typing import Annotated
 
 import pytest
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import AnyUrl, BaseModel, ConfigDict, Field, HttpUrl, TypeAdapter, ValidationError
 
 from specdec import SamplingParams
 from specdec.structured.json_numbers import number_range
@@ -305,6 +305,36 @@ def test_a_pattern_or_format_with_lengths_keeps_both_or_is_refused():
     ]:
         with pytest.raises(ValueError, match=message):
             schema_regex({"type": "string", **schema})
+    code = {"pattern": "^[A-Z]{2}-[0-9]+$", "minLength": 5, "maxLength": 7}  # a fixed beginning
+    assert matches(code, '"AB-12"') and matches(code, '"AB-1234"')
+    assert not matches(code, '"AB-1"') and not matches(code, '"AB-12345"')
+    tagged = {"pattern": "^[a-z]{1,3}:[0-9]+$", "maxLength": 6}  # a beginning of 2 to 4
+    assert matches(tagged, '"a:12"') and matches(tagged, '"abc:12"')
+    assert not matches(tagged, '"a:123"')  # within 6, but not after the longest beginning
+
+
+def test_uri_format_and_pydantics_urls(make_llm):
+    """``format: uri`` (pydantic's ``AnyUrl``; ``HttpUrl`` adds ``maxLength: 2083``, counted
+    rather than unrolled): a scheme, then RFC 3986's characters (and percent-escapes where no
+    length is given)."""
+    llm = make_llm()
+
+    def matches(schema: dict, text: str) -> bool:
+        guide = llm.engine.guides.for_params(SamplingParams(json_schema=schema))
+        return accepted(guide, llm.tokenizer, text)
+
+    http = TypeAdapter(HttpUrl).json_schema()
+    assert http["format"] == "uri" and http["maxLength"] == 2083
+    assert isinstance(llm.engine.guides.for_params(SamplingParams(json_schema=http)), PushdownGuide)
+    for url in ("https://example.com/a/b?c=d&e=f", "http://[::1]:8080/x", "mailto:a@b.org"):
+        assert matches(http, json.dumps(url)), url
+    for bad in ("example.com", "https://a b.com", "https://a.com/%20", "1http://a.com"):
+        assert not matches(http, json.dumps(bad)), bad
+    assert matches(http, json.dumps("https://a.io/" + "x" * 2060))  # 2073 characters
+    assert not matches(http, json.dumps("https://a.io/" + "x" * 2071))  # 2084
+    any_url = TypeAdapter(AnyUrl).json_schema()
+    assert matches(any_url, '"https://a.com/caf%C3%A9"') and not matches(any_url, '"a:%zz"')
+    HttpUrl(json.loads('"https://example.com/a/b?c=d&e=f"'))  # (the tiny model ends at "#")
 
 
 def test_keywords_kept_only_where_they_constrain_nothing_else_refused():

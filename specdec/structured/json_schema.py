@@ -18,7 +18,8 @@ Supported keywords: ``type`` (one or a list), ``properties``, ``required``,
 ``minimum``, ``maximum``, ``exclusiveMinimum``, ``exclusiveMaximum``
 (:mod:`~specdec.structured.json_numbers`), ``minLength``, ``maxLength``, ``pattern`` (with
 lengths where :func:`~specdec.structured.json_strings.within` can keep both),
-``format`` (``date``, ``time``, ``date-time``, ``uuid``, ``email``, ``hostname``, ``ipv4``),
+``format`` (``date``, ``time``, ``date-time``, ``uuid``, ``email``, ``hostname``, ``ipv4``,
+``uri``),
 ``$ref`` to ``#`` or any JSON pointer within the schema (``#/$defs/node``; recursive ones too),
 and the annotations that constrain nothing (``title``, ``description``, ``default``,
 ``examples``, ``$schema``, ``$id``, ``$comment``, ``readOnly``, ``writeOnly``, ``deprecated``,
@@ -37,7 +38,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from specdec.structured.json_numbers import number_range
-from specdec.structured.json_strings import other_key, within
+from specdec.structured.json_strings import FORMATS, format_tree, other_key, within
 from specdec.structured.regex import MAX_CODEPOINT, parse_regex, render, restrict
 
 WHITESPACE = r"[ ]?"
@@ -48,18 +49,6 @@ INTEGER = r"-?(?:0|[1-9][0-9]*)"
 NUMBER = INTEGER + r"(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
 SCALARS = {"string": STRING, "integer": INTEGER, "number": NUMBER,
            "boolean": "(?:true|false)", "null": "null"}  # fmt: skip
-FORMATS = {
-    "date": r"[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])",
-    "time": r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?(?:Z|[+-][0-9]{2}:[0-9]{2})?",
-    "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
-}
-FORMATS["date-time"] = FORMATS["date"] + "T" + FORMATS["time"]
-_LABEL = "[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"  # a host name's, RFC 1123
-_OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
-_ATOM = "[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+"  # an e-mail's local part: RFC 5322's dot-atom
-FORMATS["hostname"] = rf"{_LABEL}(?:\.{_LABEL})*"
-FORMATS["ipv4"] = rf"{_OCTET}(?:\.{_OCTET}){{3}}"
-FORMATS["email"] = rf"{_ATOM}(?:\.{_ATOM})*@{_LABEL}(?:\.{_LABEL})+"
 FREE_DEPTH = 2  # nesting of free-form objects and arrays
 MAX_REF_DEPTH = 3
 MAX_NESTING = 64  # schemas within schemas
@@ -339,7 +328,7 @@ class SchemaBuilder:
             what = f"pattern {schema['pattern']!r}"
             tree = restrict(parse_regex(schema["pattern"]), PLAIN)  # no (?&n) call of a rule
         elif schema["format"] in FORMATS:
-            what, tree = f"format {schema['format']!r}", parse_regex(FORMATS[schema["format"]])
+            what, tree = f"format {schema['format']!r}", format_tree(schema["format"], low, high)
         else:
             raise ValueError(f"json_schema string format {schema['format']!r} is not supported")
         if tree is None:

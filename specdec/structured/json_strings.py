@@ -6,7 +6,28 @@ from __future__ import annotations
 import json
 import re
 
+from specdec.structured.regex import parse_regex
+
 KEY_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\bfnrt])'  # a character with one spelling only
+FORMATS = {
+    "date": r"[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])",
+    "time": r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?(?:Z|[+-][0-9]{2}:[0-9]{2})?",
+    "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
+}
+FORMATS["date-time"] = FORMATS["date"] + "T" + FORMATS["time"]
+_LABEL = "[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"  # a host name's, RFC 1123
+_OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+_ATOM = "[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+"  # an e-mail's local part: RFC 5322's dot-atom
+FORMATS["hostname"] = rf"{_LABEL}(?:\.{_LABEL})*"
+FORMATS["ipv4"] = rf"{_OCTET}(?:\.{_OCTET}){{3}}"
+FORMATS["email"] = rf"{_ATOM}(?:\.{_ATOM})*@{_LABEL}(?:\.{_LABEL})+"
+# RFC 3986: a scheme (here of at most 10 characters), then its unreserved and reserved
+# characters and percent-escapes; under minLength/maxLength, characters only (a repetition of
+# one length: an escape is three characters, and a count cannot tell them apart)
+_SCHEME = "[A-Za-z][A-Za-z0-9+.-]{0,9}:"
+_URI_CHAR = r"[A-Za-z0-9\-._~:/?#\[\]@!$&'()*+,;=]"
+FORMATS["uri"] = rf"{_SCHEME}(?:{_URI_CHAR}|%[0-9A-Fa-f]{{2}})*"
+BOUNDED_FORMATS = {**FORMATS, "uri": rf"{_SCHEME}{_URI_CHAR}*"}
 
 
 def other_key(names: list[str]) -> str:
@@ -40,23 +61,48 @@ def other_key(names: list[str]) -> str:
     return rest(spelled, 0)
 
 
-def within(tree: tuple, low: int, high: int | None, what: str) -> tuple:
-    """``tree`` (a pattern's) with its strings cut to ``low`` to ``high`` characters: as it is
-    where all its strings are within them; one repeated character class gets the tighter
-    counts; any other pattern is refused (a regular expression cannot intersect two)."""
-    core = tree[1][0] if tree[0] == "cat" and len(tree[1]) == 1 else tree
-    if core[0] == "rep" and core[1][0] == "set":
-        top = core[3] if high is None else high if core[3] is None else min(high, core[3])
-        bottom = max(low, core[2])
-        if top is not None and top < bottom:
-            raise ValueError(f"json_schema {what} has no string of {low} to {high} characters")
-        return ("rep", core[1], bottom, top)
+def format_tree(name: str, low: int, high: int | None) -> tuple:
+    """The syntax tree of format ``name``: as :data:`BOUNDED_FORMATS` spells it where its full
+    spelling has strings outside ``low`` to ``high`` characters."""
+    tree = parse_regex(FORMATS[name])
     shortest, longest = _lengths(tree)
     if shortest >= low and (high is None or (longest is not None and longest <= high)):
         return tree
+    return parse_regex(BOUNDED_FORMATS[name])
+
+
+def within(tree: tuple, low: int, high: int | None, what: str) -> tuple:
+    """``tree`` (a pattern's) with its strings cut to ``low`` to ``high`` characters: as it is
+    where all its strings are within them. Where it ends in a repetition after a beginning of
+    bounded length (``[a-z]+``, a URI's scheme then its characters), the repetition's counts
+    are cut so that every string is within them: at least enough after the shortest
+    beginning, at most what fits after the longest (all its strings where the beginning has
+    one length and the item one, as one repeated character class). Any other pattern is
+    refused: a regular expression cannot intersect two."""
+    shortest, longest = _lengths(tree)
+    if shortest >= low and (high is None or (longest is not None and longest <= high)):
+        return tree
+    items = list(tree[1]) if tree[0] == "cat" else [tree]
+    last = items[-1] if items else ("cat", [])
+    if last[0] == "rep":
+        first, most = _lengths(("cat", items[:-1]))
+        item_least, item_most = _lengths(last[1])
+        if most is not None and item_most is not None and item_least > 0:
+            bottom = max(last[2], -(-(low - first) // item_least))
+            top = last[3]
+            if high is not None:
+                room = (high - most) // item_most
+                top = room if top is None else min(top, room)
+            if top is not None and top < bottom:
+                raise ValueError(
+                    f"json_schema {what} has no string of {low} to {high} characters (its "
+                    "last repetition cut to fit after its longest beginning)"
+                )
+            return ("cat", [*items[:-1], ("rep", last[1], bottom, top)])
     raise ValueError(
-        f"json_schema {what} with minLength/maxLength is supported where the pattern is one "
-        f"repeated character class or all its strings are {low} to {high} characters long"
+        f"json_schema {what} with minLength/maxLength is supported where the pattern ends in "
+        "a repetition after a beginning of bounded length, or all its strings are "
+        f"{low} to {high} characters long"
     )
 
 
