@@ -311,6 +311,9 @@ def test_a_pattern_or_format_with_lengths_keeps_both_or_is_refused():
     tagged = {"pattern": "^[a-z]{1,3}:[0-9]+$", "maxLength": 6}  # a beginning of 2 to 4
     assert matches(tagged, '"a:12"') and matches(tagged, '"abc:12"')
     assert not matches(tagged, '"a:123"')  # within 6, but not after the longest beginning
+    pairs = {"pattern": "^x(ab)+$", "minLength": 4, "maxLength": 8}  # items of 2: whole ones
+    assert matches(pairs, '"xabab"') and matches(pairs, '"xababab"')
+    assert not matches(pairs, '"xab"') and not matches(pairs, '"xabababab"')
 
 
 def test_uri_format_and_pydantics_urls(make_llm):
