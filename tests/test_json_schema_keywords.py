@@ -318,8 +318,8 @@ def test_a_pattern_or_format_with_lengths_keeps_both_or_is_refused():
 
 def test_uri_format_and_pydantics_urls(make_llm):
     """``format: uri`` (pydantic's ``AnyUrl``; ``HttpUrl`` adds ``maxLength: 2083``, counted
-    rather than unrolled): a scheme, then RFC 3986's characters (and percent-escapes where no
-    length is given)."""
+    rather than unrolled): a common scheme (a host after ``//``), then RFC 3986's characters
+    (and percent-escapes where no length is given)."""
     llm = make_llm()
 
     def matches(schema: dict, text: str) -> bool:
@@ -329,9 +329,12 @@ def test_uri_format_and_pydantics_urls(make_llm):
     http = TypeAdapter(HttpUrl).json_schema()
     assert http["format"] == "uri" and http["maxLength"] == 2083
     assert isinstance(llm.engine.guides.for_params(SamplingParams(json_schema=http)), PushdownGuide)
-    for url in ("https://example.com/a/b?c=d&e=f", "http://[::1]:8080/x", "mailto:a@b.org"):
+    good = ("https://example.com/a/b?c=d&e=f", "http://[::1]:8080/x", "mailto:a@b.org",
+            "s3://bucket/key", "file:///etc/hosts")  # fmt: skip
+    for url in good:
         assert matches(http, json.dumps(url)), url
-    for bad in ("example.com", "https://a b.com", "https://a.com/%20", "1http://a.com"):
+    for bad in ("example.com", "https://a b.com", "https://a.com/%20", "1http://a.com",
+                "Wikipedia.::Wikipedia.com", "http:/a.com", "https:///a", "x-y:z"):  # fmt: skip
         assert not matches(http, json.dumps(bad)), bad
     assert matches(http, json.dumps("https://a.io/" + "x" * 2060))  # 2073 characters
     assert not matches(http, json.dumps("https://a.io/" + "x" * 2071))  # 2084

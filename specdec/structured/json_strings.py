@@ -21,13 +21,18 @@ _ATOM = "[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+"  # an e-mail's local part: RFC 5322's 
 FORMATS["hostname"] = rf"{_LABEL}(?:\.{_LABEL})*"
 FORMATS["ipv4"] = rf"{_OCTET}(?:\.{_OCTET}){{3}}"
 FORMATS["email"] = rf"{_ATOM}(?:\.{_ATOM})*@{_LABEL}(?:\.{_LABEL})+"
-# RFC 3986: a scheme (here of at most 10 characters), then its unreserved and reserved
-# characters and percent-escapes; under minLength/maxLength, characters only (a repetition of
-# one length: an escape is three characters, and a count cannot tell them apart)
-_SCHEME = "[A-Za-z][A-Za-z0-9+.-]{0,9}:"
+# A URI (RFC 3986) of the schemes models are asked for: a host after the hierarchical ones'
+# "//" (a file's may be empty), then unreserved and reserved characters and percent-escapes;
+# under minLength/maxLength, characters only (a repetition of one length: an escape is three
+# characters, and a count cannot tell them apart). Any scheme would let a small model write
+# "Wikipedia.::Wikipedia.com" (a URI, and no URL pydantic takes).
 _URI_CHAR = r"[A-Za-z0-9\-._~:/?#\[\]@!$&'()*+,;=]"
-FORMATS["uri"] = rf"{_SCHEME}(?:{_URI_CHAR}|%[0-9A-Fa-f]{{2}})*"
-BOUNDED_FORMATS = {**FORMATS, "uri": rf"{_SCHEME}{_URI_CHAR}*"}
+_SCHEMES = (
+    r"(?:https?|ftps?|sftp|wss?|s3|gs|git|ssh)://[A-Za-z0-9\[]"
+    rf"|file://{_URI_CHAR}|(?:mailto|urn|data|tel):{_URI_CHAR}"
+)
+FORMATS["uri"] = rf"(?:{_SCHEMES})(?:{_URI_CHAR}|%[0-9A-Fa-f]{{2}})*"
+BOUNDED_FORMATS = {**FORMATS, "uri": rf"(?:{_SCHEMES}){_URI_CHAR}*"}
 
 
 def other_key(names: list[str]) -> str:
