@@ -139,7 +139,7 @@ def _nested(depth: int) -> dict:
         ({"$defs": {"n": {"properties": {"k": {"$ref": "#/$defs/n"}}}}, "$ref": "#/$defs/n"},
          "nests more than 3 deep"),
         ({"properties": {"a": {}}, "required": ["b"]}, "requires 'b', not in properties"),
-        ({"type": "string", "format": "ipv6"}, "format 'ipv6' is not supported"),
+        ({"type": "string", "format": "iri"}, "format 'iri' is not supported"),
         ("{not json", "not valid JSON"),
         (_nested(70), "nests more than 64 deep"),
         (False, "accepts nothing"),

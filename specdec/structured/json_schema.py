@@ -18,8 +18,9 @@ Supported keywords: ``type`` (one or a list), ``properties``, ``required``,
 ``minimum``, ``maximum``, ``exclusiveMinimum``, ``exclusiveMaximum``
 (:mod:`~specdec.structured.json_numbers`), ``minLength``, ``maxLength``, ``pattern`` (with
 lengths where :func:`~specdec.structured.json_strings.within` can keep both),
-``format`` (``date``, ``time``, ``date-time``, ``uuid``, ``email``, ``hostname``, ``ipv4``,
-``uri``),
+``format`` (``date``, ``time``, ``date-time``, ``duration``, ``uuid``, ``email``, ``hostname``,
+``ipv4``, ``ipv6``, ``uri``; pydantic's ``ipvanyaddress``; ``path``, ``password`` and
+``binary``, any string),
 ``$ref`` to ``#`` or any JSON pointer within the schema (``#/$defs/node``; recursive ones too),
 and the annotations that constrain nothing (``title``, ``description``, ``default``,
 ``examples``, ``$schema``, ``$id``, ``$comment``, ``readOnly``, ``writeOnly``, ``deprecated``,
@@ -38,7 +39,13 @@ from typing import Any
 from urllib.parse import unquote
 
 from specdec.structured.json_numbers import number_range
-from specdec.structured.json_strings import FORMATS, format_tree, other_key, within
+from specdec.structured.json_strings import (
+    FORMATS,
+    PLAIN_FORMATS,
+    format_tree,
+    other_key,
+    within,
+)
 from specdec.structured.regex import MAX_CODEPOINT, parse_regex, render, restrict
 
 WHITESPACE = r"[ ]?"
@@ -320,6 +327,8 @@ class SchemaBuilder:
         ``format`` if given (its strings that JSON writes as they are: no quote, backslash or
         control character, which the pattern would otherwise write unescaped)."""
         low, high = schema.get("minLength", 0), schema.get("maxLength")
+        if schema.get("format") in PLAIN_FORMATS:
+            schema = {k: v for k, v in schema.items() if k != "format"}
         if "pattern" not in schema and "format" not in schema:
             if low == 0 and high is None:
                 return STRING

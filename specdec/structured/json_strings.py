@@ -21,6 +21,38 @@ _ATOM = "[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+"  # an e-mail's local part: RFC 5322's 
 FORMATS["hostname"] = rf"{_LABEL}(?:\.{_LABEL})*"
 FORMATS["ipv4"] = rf"{_OCTET}(?:\.{_OCTET}){{3}}"
 FORMATS["email"] = rf"{_ATOM}(?:\.{_ATOM})*@{_LABEL}(?:\.{_LABEL})+"
+_N, _H = "[0-9]+", "[0-9A-Fa-f]{1,4}"  # a duration's number, an IPv6 address's group
+_SECONDS = rf"{_N}(?:\.[0-9]+)?S"
+# ISO 8601 durations (pydantic's timedelta): at least one part, a time's after "T"
+FORMATS["duration"] = (
+    rf"-?P(?:(?:{_N}Y(?:{_N}M)?(?:{_N}W)?(?:{_N}D)?|{_N}M(?:{_N}W)?(?:{_N}D)?|{_N}W(?:{_N}D)?"
+    rf"|{_N}D)(?:T(?:{_N}H(?:{_N}M)?(?:{_SECONDS})?|{_N}M(?:{_SECONDS})?|{_SECONDS}))?"
+    rf"|T(?:{_N}H(?:{_N}M)?(?:{_SECONDS})?|{_N}M(?:{_SECONDS})?|{_SECONDS}))"
+)
+
+
+def _groups(n: int, least: int = 0) -> str:
+    """``least`` (0 or n) to ``n`` IPv6 groups joined by colons."""
+    if n == 0:
+        return ""
+    joined = f"{_H}(?::{_H}){{{n - 1}}}" if least else f"{_H}(?::{_H}){{0,{n - 1}}}"
+    return joined if least else f"(?:{joined})?"
+
+
+def _ipv6() -> str:
+    """RFC 4291 2.2's text forms: eight groups, or six and an IPv4 address, where one "::"
+    stands for one or more groups of zeros (an alternative per count of groups before it)."""
+    forms = [_groups(8, 8), f"{_groups(6, 6)}:{FORMATS['ipv4']}"]
+    for before in range(8):
+        forms.append(f"{_groups(before, before)}::{_groups(7 - before)}")
+        if before <= 5:
+            forms.append(f"{_groups(before, before)}::(?:{_H}:){{0,{5 - before}}}{FORMATS['ipv4']}")
+    return "|".join(f"(?:{form})" for form in forms)
+
+
+FORMATS["ipv6"] = _ipv6()
+FORMATS["ipvanyaddress"] = f"{FORMATS['ipv4']}|{FORMATS['ipv6']}"  # pydantic's IPvAnyAddress
+PLAIN_FORMATS = {"path", "password", "binary"}  # pydantic's Path, SecretStr, bytes: any string
 # A URI (RFC 3986) of the schemes models are asked for: a host after the hierarchical ones'
 # "//" (a file's may be empty), then unreserved and reserved characters and percent-escapes;
 # under minLength/maxLength, characters only (a repetition of one length: an escape is three
