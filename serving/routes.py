@@ -45,7 +45,7 @@ from specdec.serving.responses import (
     ModelCard,
     ModelList,
 )
-from specdec.serving.tool_parsers import CallParser, parser_for
+from specdec.serving.tool_parsers import CallParser, parser_for, tool_schemas
 from specdec.serving.tools import strict_calls
 
 if TYPE_CHECKING:
@@ -204,11 +204,11 @@ def auto_tools(
             400,
             'tool_choice is "auto" (the default with tools), which needs a parser of the '
             "model's own tool-call syntax: start the server with --enable-auto-tool-choice "
-            "--tool-call-parser (hermes, mistral, llama3_json or pythonic), or set it to "
-            '"required", "none" or {"type": "function", "function": {"name": ...}}',
+            "--tool-call-parser (hermes, mistral, llama3_json, pythonic or qwen3_coder), or "
+            'set it to "required", "none" or {"type": "function", "function": {"name": ...}}',
             param="tool_choice",
         )
-    parser = parser_for(state.config.tool_call_parser or "hermes", body.tool_names())
+    parser = parser_for(state.config.tool_call_parser or "hermes", tool_schemas(body.chat_tools()))
     if parser.syntax.special_tokens and body.skip_special_tokens is None:
         body.skip_special_tokens = False
     if parser.syntax.strict is not None and not body.guide():  # strict tools: see tools.py

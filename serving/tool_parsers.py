@@ -14,6 +14,10 @@ parser finds the calls, as vLLM's ``--tool-call-parser`` does. The syntaxes, by 
   ``<|python_tag|>``.
 - ``pythonic`` (Llama 3.2 and 4's Python-list calling): the whole reply is a list of calls,
   ``[get_weather(city="Paris"), clock()]``, with keyword arguments that are Python literals.
+- ``qwen3_coder`` (also ``qwen3_xml``; Qwen3-Coder's): each call between ``<tool_call>`` and
+  ``</tool_call>`` as ``<function=NAME>``, then ``<parameter=KEY>`` value ``</parameter>`` for
+  each argument, then ``</function>``. A value is raw text (code needs no escaping), read as its
+  parameter's schema types it: a string as written, a number, a boolean, null, or JSON.
 
 A reply is taken as calls only when every call parses and names one of the request's tools;
 otherwise it is handed back as the text it is, so nothing the model wrote is lost. A stream
@@ -30,16 +34,18 @@ from __future__ import annotations
 import ast
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from specdec.serving.responses import FunctionCall, ToolCall
-from specdec.serving.tools import new_call_id
+from specdec.serving.tools import Tool, new_call_id
 from specdec.structured.json_schema import STRING
 from specdec.structured.python_args import keyword_arguments_regex
 
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_QWEN_FUNCTION = re.compile(r"\s*<function=([^>\s]+)>(.*)</function>\s*", re.DOTALL)
+_QWEN_PARAMETER = re.compile(r"<parameter=([^>\s]+)>(.*?)</parameter>", re.DOTALL)
 _PYTHON_TAG = "<|python_tag|>"
 
 
@@ -58,9 +64,9 @@ class Syntax:
     # the calls are this marker and what follows it, anywhere in the reply; None: the calls are
     # the whole reply, which then starts with one of ``openers``
     marker: str | None
-    # the calls' text (from the marker on, or the whole reply) -> the calls, or None if any of
-    # them does not parse or names no tool in the list
-    read: Callable[[str, list[str]], list[ToolCall] | None]
+    # the calls' text (from the marker on, or the whole reply) and the tools (name -> the
+    # arguments' schema) -> the calls, or None if any of them does not parse or names no tool
+    read: Callable[[str, Mapping[str, Any]], list[ToolCall] | None]
     openers: tuple[str, ...] = ()
     special_tokens: bool = False  # the marker is a special token: keep them in the text
     # [(name, arguments' schema)] -> the guide (SamplingParams' fields: a structural tag, or a
@@ -69,34 +75,34 @@ class Syntax:
     strict: Callable[[list[tuple[str, dict[str, Any]]]], dict[str, Any]] | None = None
 
 
-def _call(name: Any, arguments: Any, tool_names: list[str]) -> ToolCall | None:  # noqa: ANN401
-    """A call of ``name`` (one of ``tool_names``) with a JSON object of arguments (or its
+def _call(name: Any, arguments: Any, tools: Mapping[str, Any]) -> ToolCall | None:  # noqa: ANN401
+    """A call of ``name`` (one of ``tools``) with a JSON object of arguments (or its
     text), else None."""
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
         except json.JSONDecodeError:
             return None
-    if name not in tool_names or not isinstance(arguments, dict):
+    if name not in tools or not isinstance(arguments, dict):
         return None
     text = json.dumps(arguments, ensure_ascii=False)
     return ToolCall(id=new_call_id(), function=FunctionCall(name=name, arguments=text))
 
 
-def _json_calls(objects: Any, tool_names: list[str]) -> list[ToolCall] | None:  # noqa: ANN401
+def _json_calls(objects: Any, tools: Mapping[str, Any]) -> list[ToolCall] | None:  # noqa: ANN401
     """Calls from JSON objects ``{"name", "arguments" or "parameters"}``."""
     calls = []
     for obj in objects:
         if not isinstance(obj, dict):
             return None
-        call = _call(obj.get("name"), obj.get("arguments", obj.get("parameters", {})), tool_names)
+        call = _call(obj.get("name"), obj.get("arguments", obj.get("parameters", {})), tools)
         if call is None:
             return None
         calls.append(call)
     return calls or None
 
 
-def _hermes(text: str, tool_names: list[str]) -> list[ToolCall] | None:
+def _hermes(text: str, tool_names: Mapping[str, Any]) -> list[ToolCall] | None:
     try:
         objects = [json.loads(block) for block in _HERMES_BLOCK.findall(text)]
     except json.JSONDecodeError:
@@ -104,7 +110,7 @@ def _hermes(text: str, tool_names: list[str]) -> list[ToolCall] | None:
     return _json_calls(objects, tool_names)  # none closed: the reply was cut short
 
 
-def _mistral(text: str, tool_names: list[str]) -> list[ToolCall] | None:
+def _mistral(text: str, tool_names: Mapping[str, Any]) -> list[ToolCall] | None:
     try:
         objects = json.loads(text.removeprefix("[TOOL_CALLS]"))
     except json.JSONDecodeError:
@@ -112,7 +118,7 @@ def _mistral(text: str, tool_names: list[str]) -> list[ToolCall] | None:
     return _json_calls(objects if isinstance(objects, list) else [objects], tool_names)
 
 
-def _llama3_json(text: str, tool_names: list[str]) -> list[ToolCall] | None:
+def _llama3_json(text: str, tool_names: Mapping[str, Any]) -> list[ToolCall] | None:
     text, decoder, objects, at = text.strip().removeprefix(_PYTHON_TAG), json.JSONDecoder(), [], 0
     while True:
         at = len(text) - len(text[at:].lstrip())
@@ -129,7 +135,7 @@ def _llama3_json(text: str, tool_names: list[str]) -> list[ToolCall] | None:
         at = len(text) - len(rest) + 1
 
 
-def _pythonic(text: str, tool_names: list[str]) -> list[ToolCall] | None:
+def _pythonic(text: str, tool_names: Mapping[str, Any]) -> list[ToolCall] | None:
     try:
         tree = ast.parse(text.strip(), mode="eval").body
         if not isinstance(tree, ast.List) or not tree.elts:
@@ -148,6 +154,46 @@ def _pythonic(text: str, tool_names: list[str]) -> list[ToolCall] | None:
         return calls
     except (SyntaxError, ValueError, TypeError):  # not Python, or not literals
         return None
+
+
+def _qwen3_xml(text: str, tool_names: Mapping[str, Any]) -> list[ToolCall] | None:
+    calls = []
+    for block in _HERMES_BLOCK.findall(text):
+        function = _QWEN_FUNCTION.fullmatch(block)
+        if function is None:
+            return None
+        name, body = function.groups()
+        if _QWEN_PARAMETER.sub("", body).strip():  # something other than parameters
+            return None
+        schema = tool_names.get(name) or {}
+        properties = schema.get("properties", {}) if isinstance(schema, dict) else {}
+        arguments = {
+            key: _typed(value.removeprefix("\n").removesuffix("\n"), properties.get(key))
+            for key, value in _QWEN_PARAMETER.findall(body)
+        }
+        call = _call(name, arguments, tool_names)
+        if call is None:
+            return None
+        calls.append(call)
+    return calls or None
+
+
+def _typed(value: str, schema: Any) -> Any:  # noqa: ANN401
+    """A raw parameter value as its schema types it: a string as written (or where the schema
+    gives no type); else the JSON (or Python literal) it spells, kept as written where it spells
+    none."""
+    kinds = schema.get("type") if isinstance(schema, dict) else None
+    kinds = [kinds] if isinstance(kinds, str) else kinds or ["string"]
+    if "string" in kinds and not (value.strip() == "null" and "null" in kinds):
+        return value
+    if "boolean" in kinds and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    for read in (json.loads, ast.literal_eval):
+        try:
+            return read(value.strip())
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            continue
+    return value
 
 
 def _hermes_tag(tools: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
@@ -206,6 +252,8 @@ SYNTAXES = {
     "mistral": Syntax("[TOOL_CALLS]", _mistral, special_tokens=True),
     "llama3_json": Syntax(None, _llama3_json, openers=(_PYTHON_TAG, "{"), strict=_llama3_tag),
     "pythonic": Syntax(None, _pythonic, openers=("[",), strict=_pythonic_guide),
+    "qwen3_coder": Syntax("<tool_call>", _qwen3_xml),
+    "qwen3_xml": Syntax("<tool_call>", _qwen3_xml),
 }
 TOOL_CALL_PARSERS = tuple(SYNTAXES)  # the names --tool-call-parser takes
 
@@ -215,7 +263,7 @@ class CallParser:
     """A syntax, for a request's tools."""
 
     syntax: Syntax
-    tool_names: list[str]
+    tool_names: Mapping[str, Any]  # name -> the arguments' schema
 
     def parse(self, text: str) -> ParsedReply:
         """The calls in a finished reply, or the whole reply as text when it holds none or a
@@ -241,8 +289,14 @@ class CallParser:
         return CallStream(self)
 
 
-def parser_for(name: str, tool_names: list[str]) -> CallParser:
-    return CallParser(SYNTAXES[name], tool_names)
+def parser_for(name: str, tools: Mapping[str, Any] | list[str]) -> CallParser:
+    """The parser of syntax ``name`` for ``tools``: names, or names -> arguments' schemas."""
+    return CallParser(SYNTAXES[name], tools if isinstance(tools, Mapping) else dict.fromkeys(tools))
+
+
+def tool_schemas(tools: list[Tool]) -> dict[str, Any]:
+    """A request's tools as :func:`parser_for` takes them: name -> the arguments' schema."""
+    return {tool.function.name: tool.function.parameters for tool in tools}
 
 
 class CallStream:

@@ -1,6 +1,6 @@
-"""The tool-call parsers (hermes, mistral, llama3_json, pythonic): calls found in a finished
-reply, the same calls and text when the reply arrives in deltas split anywhere, and text handed
-back whole when it holds no call."""
+"""The tool-call parsers (hermes, mistral, llama3_json, pythonic, qwen3_coder): calls found in
+a finished reply, the same calls and text when the reply arrives in deltas split anywhere, and
+text handed back whole when it holds no call."""
 
 from __future__ import annotations
 
@@ -12,13 +12,30 @@ from specdec.serving.tool_parsers import SYNTAXES, TOOL_CALL_PARSERS, parser_for
 from specdec.structured.regex import compile_regex
 from tests.test_structural_tag import accepts
 
-NAMES = ["weather", "clock"]
+NAMES = {  # name -> the arguments' schema (qwen3_coder types its raw values by it)
+    "weather": {"type": "object", "properties": {"unit": {"type": "string"},
+                "days": {"type": "array"}, "hourly": {"type": "boolean"},
+                "lat": {"type": "number"}, "note": {"type": ["string", "null"]}}},
+    "clock": None,
+}  # fmt: skip
 ONE = '<tool_call>{"name": "weather", "arguments": {"unit": "c"}}</tool_call>'
 TWO = ONE + '\n<tool_call>\n{"name": "clock", "arguments": {}}\n</tool_call>'
 MISTRAL = '[TOOL_CALLS] [{"name": "weather", "arguments": {"unit": "c"}}, {"name": "clock", "arguments": "{}"}]'
 LLAMA = '<|python_tag|>{"name": "weather", "parameters": {"unit": "c"}}; {"name": "clock", "parameters": {}}'
 PYTHONIC = '[weather(unit="c"), clock()]'
 BOTH = [("weather", {"unit": "c"}), ("clock", {})]
+QWEN = (
+    "<tool_call>\n<function=weather>\n<parameter=unit>\nc\n</parameter>\n</function>\n</tool_call>"
+)
+QWEN_TYPED = (  # "id" has no schema: text as written
+    "<tool_call>\n<function=weather>\n<parameter=unit>\n 12 \n</parameter>\n<parameter=days>\n"
+    "[1, 2]\n</parameter>\n<parameter=hourly>\nTRUE\n</parameter>\n<parameter=lat>\n-3.5\n"
+    "</parameter>\n<parameter=note>\nnull\n</parameter>\n<parameter=code>\nif a < b:\n"
+    '    print("x\\n")\n</parameter>\n<parameter=id>\n12\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=clock>\n'
+    "</function>\n</tool_call>"
+)
+TYPED = {"unit": " 12 ", "days": [1, 2], "hourly": True, "lat": -3.5, "note": None,
+         "code": 'if a < b:\n    print("x\\n")', "id": "12"}  # fmt: skip
 
 CASES = {  # syntax -> (reply, content, calls found)
     "hermes": [
@@ -47,6 +64,15 @@ CASES = {  # syntax -> (reply, content, calls found)
         ('{"name": "clock", "parameters": [1]}', None, []),
         ("{", None, []),
     ],
+    "qwen3_coder": [
+        (QWEN, None, [("weather", {"unit": "c"})]),
+        ("I'll check.\n\n" + QWEN_TYPED, "I'll check.", [("weather", TYPED), ("clock", {})]),
+        (QWEN.replace("weather", "nope"), None, []),
+        (QWEN.replace("<parameter=unit>", "unit="), None, []),  # not parameters
+        (QWEN[:-4], None, []),  # cut short
+        ("<tool_call>\n<function=clock>\n</function>\n</tool_call>", None, [("clock", {})]),
+    ],
+    "qwen3_xml": [(QWEN, None, [("weather", {"unit": "c"})])],
     "pythonic": [
         (PYTHONIC, None, BOTH),
         ('[weather(unit="c", days=[1, 2])]', None, [("weather", {"unit": "c", "days": [1, 2]})]),
