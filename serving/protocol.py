@@ -337,9 +337,6 @@ class ChatCompletionRequest(GenerationFields, ChatTemplateFields, ToolChoiceRule
         tools = [t.model_dump(exclude_none=True) for t in self.tools or []]
         return dataclasses.replace(options, tools=tools or None)
 
-    def tool_names(self) -> list[str]:
-        return [t.function.name for t in self.tools or []]
-
     def chat_tools(self) -> list[Tool]:
         return self.tools or []
 

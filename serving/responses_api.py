@@ -161,9 +161,6 @@ class ResponsesRequest(GenerationFields, ChatTemplateFields, ToolChoiceRules):
         check_tool_choice(value, names, named, given)
         return value
 
-    def tool_names(self) -> list[str]:
-        return [t.name for t in self.tools or []]
-
     def chat_tools(self) -> list[Tool]:
         """The tools as chat completions take them."""
         return [
