@@ -6,6 +6,7 @@ construction (:func:`compile_tree`), for the guides of :mod:`specdec.structured.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -147,7 +148,7 @@ class DFA:
     table: np.ndarray  # [S, 256] int32
     accepting: np.ndarray  # [S] bool
     start: int = 1
-    calls: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    calls: Mapping[int, list[tuple[int, int]]] = field(default_factory=dict)
     counts: tuple[int, int | None] | None = None
 
     def walk(self, state: int, data: bytes) -> int:
@@ -228,8 +229,26 @@ def counter(rule: int, low: int, high: int | None) -> DFA:
     table = np.broadcast_to(np.zeros(256, np.int32), (size, 256))  # no byte leaves a state
     accepting = np.zeros(size, bool)
     accepting[1 + low :] = True
-    calls = {1 + c: [(rule, 2 + min(c, last - 1))] for c in range(last + (high is None))}
+    calls = _CounterCalls(rule, last, high is None)
     return DFA(table, accepting, calls=calls, counts=(low, high))
+
+
+class _CounterCalls(Mapping[int, list[tuple[int, int]]]):
+    """A :func:`counter`'s calls, made when asked for (a bound may be 100,000)."""
+
+    def __init__(self, rule: int, last: int, loops: bool):
+        self.rule, self.last, self.states = rule, last, last + loops  # states 1 .. states call
+
+    def __getitem__(self, state: int) -> list[tuple[int, int]]:
+        if not 1 <= state <= self.states:
+            raise KeyError(state)
+        return [(self.rule, 2 + min(state - 1, self.last - 1))]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(1, self.states + 1))
+
+    def __len__(self) -> int:
+        return self.states
 
 
 def _live(table: np.ndarray, accepting: np.ndarray, calls: dict[int, list]) -> np.ndarray:

@@ -143,7 +143,10 @@ class PushdownGuide:
         self.calling = []  # per automaton, [S] bool: states that may call a pattern
         # per automaton, [S] bool: states some byte leaves (a counter's never: no token is
         # walked from them)
-        self.reading = [(dfa.table != DEAD).any(axis=1) for dfa in dfas]
+        self.reading = [
+            np.zeros(len(dfa.accepting), bool) if dfa.counts else (dfa.table != DEAD).any(axis=1)
+            for dfa in dfas
+        ]
         # counters (see specdec/structured/counted.py): automaton -> the runs of states
         # (counts) among which the count does not change which tokens may follow. A token
         # reads at most ``longest`` bytes, a reading at least one, so from count c a token
