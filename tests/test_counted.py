@@ -5,6 +5,7 @@ strings of thousands of characters, compiled at once."""
 
 import itertools
 import json
+import random
 import re
 import time
 
@@ -151,3 +152,36 @@ def test_a_count_that_may_begin_anywhere_keeps_a_bounded_state(make_llm, monkeyp
             text = "".join(letters)
             if accepted(narrow, llm.tokenizer, text):  # fewer parses: never a wrong string
                 assert re.fullmatch("(a|b)*a(a|b){3}", text), text
+
+
+def random_pattern(rng: random.Random, depth: int = 0) -> str:
+    """A small pattern over ``ab``: letters, groups, alternatives, and counted repetitions
+    (within one another too)."""
+    kind = rng.choice(["letter", "letter", "cat", "alt", "rep", "rep"] if depth < 3 else ["letter"])
+    if kind == "letter":
+        return rng.choice(["a", "b", "[ab]", "ab"])
+    if kind == "cat":
+        return "".join(random_pattern(rng, depth + 1) for _ in range(rng.randint(2, 3)))
+    if kind == "alt":
+        return "(?:" + "|".join(random_pattern(rng, depth + 1) for _ in range(2)) + ")"
+    low = rng.randint(0, 2)
+    high = rng.choice([low, low + 1, low + 3, None]) if low else rng.choice([2, 3, None])
+    return f"(?:{random_pattern(rng, depth + 1)}){{{low},{'' if high is None else high}}}"
+
+
+def test_random_counted_patterns_take_exactly_their_strings(make_llm, monkeypatch):
+    """100 random patterns, every repetition of two or more counted, against ``re.fullmatch``
+    on every string of up to 7 letters."""
+    monkeypatch.setattr(counted_module, "COUNT_FROM", 1)
+    monkeypatch.setattr(counted_module, "MIN_COUNT", 2)
+    llm, rng = make_llm(), random.Random(7)
+    strings = ["".join(p) for n in range(8) for p in itertools.product("ab", repeat=n)]
+    counted_patterns = 0
+    for _ in range(100):
+        pattern = random_pattern(rng)
+        guide = llm.engine.guides.for_params(SamplingParams(regex=pattern))
+        counted_patterns += isinstance(guide, PushdownGuide)
+        for text in strings:
+            expected = re.fullmatch(pattern, text) is not None
+            assert accepted(guide, llm.tokenizer, text) == expected, (pattern, text)
+    assert counted_patterns >= 40
