@@ -38,14 +38,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from specdec.serving.qwen_xml import read_function, xml_guide
 from specdec.serving.responses import FunctionCall, ToolCall
 from specdec.serving.tools import Tool, new_call_id
 from specdec.structured.json_schema import STRING
 from specdec.structured.python_args import keyword_arguments_regex
 
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-_QWEN_FUNCTION = re.compile(r"\s*<function=([^>\s]+)>(.*)</function>\s*", re.DOTALL)
-_QWEN_PARAMETER = re.compile(r"<parameter=([^>\s]+)>(.*?)</parameter>", re.DOTALL)
 _PYTHON_TAG = "<|python_tag|>"
 
 
@@ -159,41 +158,12 @@ def _pythonic(text: str, tool_names: Mapping[str, Any]) -> list[ToolCall] | None
 def _qwen3_xml(text: str, tool_names: Mapping[str, Any]) -> list[ToolCall] | None:
     calls = []
     for block in _HERMES_BLOCK.findall(text):
-        function = _QWEN_FUNCTION.fullmatch(block)
-        if function is None:
-            return None
-        name, body = function.groups()
-        if _QWEN_PARAMETER.sub("", body).strip():  # something other than parameters
-            return None
-        schema = tool_names.get(name) or {}
-        properties = schema.get("properties", {}) if isinstance(schema, dict) else {}
-        arguments = {
-            key: _typed(value.removeprefix("\n").removesuffix("\n"), properties.get(key))
-            for key, value in _QWEN_PARAMETER.findall(body)
-        }
-        call = _call(name, arguments, tool_names)
+        found = read_function(block, tool_names)
+        call = None if found is None else _call(*found, tool_names)
         if call is None:
             return None
         calls.append(call)
     return calls or None
-
-
-def _typed(value: str, schema: Any) -> Any:  # noqa: ANN401
-    """A raw parameter value as its schema types it: a string as written (or where the schema
-    gives no type); else the JSON (or Python literal) it spells, kept as written where it spells
-    none."""
-    kinds = schema.get("type") if isinstance(schema, dict) else None
-    kinds = [kinds] if isinstance(kinds, str) else kinds or ["string"]
-    if "string" in kinds and not (value.strip() == "null" and "null" in kinds):
-        return value
-    if "boolean" in kinds and value.strip().lower() in ("true", "false"):
-        return value.strip().lower() == "true"
-    for read in (json.loads, ast.literal_eval):
-        try:
-            return read(value.strip())
-        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-            continue
-    return value
 
 
 def _hermes_tag(tools: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
@@ -252,8 +222,8 @@ SYNTAXES = {
     "mistral": Syntax("[TOOL_CALLS]", _mistral, special_tokens=True),
     "llama3_json": Syntax(None, _llama3_json, openers=(_PYTHON_TAG, "{"), strict=_llama3_tag),
     "pythonic": Syntax(None, _pythonic, openers=("[",), strict=_pythonic_guide),
-    "qwen3_coder": Syntax("<tool_call>", _qwen3_xml),
-    "qwen3_xml": Syntax("<tool_call>", _qwen3_xml),
+    "qwen3_coder": Syntax("<tool_call>", _qwen3_xml, strict=xml_guide),
+    "qwen3_xml": Syntax("<tool_call>", _qwen3_xml, strict=xml_guide),
 }
 TOOL_CALL_PARSERS = tuple(SYNTAXES)  # the names --tool-call-parser takes
 

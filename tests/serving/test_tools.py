@@ -270,6 +270,8 @@ SYNTAX_REPLIES = {  # each parser's syntax, as a model that writes it would repl
     "mistral": 'Sure.[TOOL_CALLS][{"name": "weather", "arguments": {"unit": "c"}}]',
     "llama3_json": '{"name": "weather", "parameters": {"unit": "c"}}',
     "pythonic": '[weather(unit="c")]',
+    "qwen3_coder": "<tool_call>\n<function=weather>\n<parameter=unit>\nc\n</parameter>\n"
+    "</function>\n</tool_call>",
 }
 
 
