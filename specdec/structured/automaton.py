@@ -6,7 +6,7 @@ construction (:func:`compile_tree`), for the guides of :mod:`specdec.structured.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -113,26 +113,35 @@ def _avoid(nfa: _NFA, words: tuple[bytes, ...], start: int) -> int:
     return end
 
 
-def ending(trees: list[tuple]) -> set[int]:
-    """Which of ``trees`` (a guide's rules, the first its whole output's) match some string,
-    their ``("call", n)`` nodes followed: found until none is added (a rule whose every way
-    through calls one that never ends, as ``{"$ref": "#"}`` does, is not among them)."""
+def derives(trees: list[tuple], leaf: Callable[[tuple], bool]) -> Callable[[tuple], bool]:
+    """Whether a node of ``trees`` (a guide's rules; ``("call", n)`` is rule n) derives a string
+    of some kind: ``leaf`` says it of a character set or free text, a sequence does where all
+    its parts do, an alternative where one does, a repetition where it may be empty or its item
+    does; calls followed, the rules that do found until none is added."""
     done: set[int] = set()
 
-    def ends(node: tuple) -> bool:
+    def holds(node: tuple) -> bool:
         kind = node[0]
         if kind == "call":
             return node[1] in done
         if kind in ("cat", "alt"):
             test = all if kind == "cat" else any
-            return test(ends(n) for n in node[1])
+            return test(holds(n) for n in node[1])
         if kind == "rep":
-            return node[2] == 0 or ends(node[1])
-        return kind != "set" or bool(node[1])  # a character set, or free text ("avoid")
+            return node[2] == 0 or holds(node[1])
+        return leaf(node)
 
-    while more := {i for i, tree in enumerate(trees) if i not in done and ends(tree)}:
+    while more := {i for i, tree in enumerate(trees) if i not in done and holds(tree)}:
         done |= more
-    return done
+    return holds
+
+
+def ending(trees: list[tuple]) -> set[int]:
+    """Which of ``trees`` (a guide's rules, the first its whole output's) match some string (a
+    rule whose every way through calls one that never ends, as ``{"$ref": "#"}`` does, is not
+    among them)."""
+    ends = derives(trees, lambda node: node[0] != "set" or bool(node[1]))  # (or free text)
+    return {i for i, tree in enumerate(trees) if ends(tree)}
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ counts without reading a byte.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from specdec.structured.automaton import derives
 
 COUNT_FROM = 1_000  # a repetition is counted where its bound times its item's size reaches it
 MIN_COUNT = 16  # and its bound this at least
@@ -27,7 +27,7 @@ def counted(trees: list[tuple]) -> list[tuple]:
     ``("count", rule, low, high)`` rule over a new rule of what it repeats (equal ones
     shared); the others as they are."""
     out = list(trees)
-    empty = _nullable(trees)
+    empty = derives(trees, lambda node: node[0] == "avoid")  # may match nothing (free text may)
     rules: dict[str, int] = {}  # a rule's repr -> its index among out
 
     def rule(tree: tuple) -> int:
@@ -54,26 +54,6 @@ def counted(trees: list[tuple]) -> list[tuple]:
     for i, tree in enumerate(trees):
         out[i] = visit(tree)
     return out
-
-
-def _nullable(trees: list[tuple]) -> Callable[[tuple], bool]:
-    """Whether a node of ``trees`` may match nothing (calls followed, to a fixed point)."""
-    done: set[int] = set()
-
-    def empty(node: tuple) -> bool:
-        kind = node[0]
-        if kind == "call":
-            return node[1] in done
-        if kind in ("cat", "alt"):
-            test = all if kind == "cat" else any
-            return test(empty(n) for n in node[1])
-        if kind == "rep":
-            return node[2] == 0 or empty(node[1])
-        return kind == "avoid"  # a character set reads one; free text may read none
-
-    while more := {i for i, tree in enumerate(trees) if i not in done and empty(tree)}:
-        done |= more
-    return empty
 
 
 def _size(node: tuple) -> int:
