@@ -249,7 +249,7 @@ class PushdownGuide:
         :class:`~specdec.structured.guide.RegexGuide` walks them."""
         v = self.vocabulary
         d, state, stacks = config
-        table, reading = self.dfas[d].table, self._branching(config)
+        table, branching = self.dfas[d].table, self._branching(config)
         ok = np.zeros(len(v.ids), bool)
         at = np.full(len(v.ids), state, np.int32)
         later: dict[Config, list[tuple[np.ndarray, np.ndarray]]] = {}
@@ -257,7 +257,7 @@ class PushdownGuide:
             at[:count] = table[at[:count], v.columns[k, :count]]
             end = v.longer[k + 1] if k + 1 < len(v.longer) else 0  # [end, count): k + 1 long
             ok[end:count] = at[end:count] != DEAD
-            branch = np.flatnonzero(reading[at[:end]])
+            branch = np.flatnonzero(branching[at[:end]])
             if len(branch):
                 self._branch(config, at, branch, np.full(len(branch), k + 1), branch, later)
         self._later(later, np.arange(len(v.ids)), ok)
