@@ -1,16 +1,18 @@
-"""JSON Schema string formats that pydantic's types write, against the parsers that read them:
-``ipv6`` against Python's ``ipaddress``, ``duration`` against pydantic's ``timedelta``, and the
-types whose format is any string."""
+"""JSON Schema string formats and keys that pydantic's types write, against the parsers that
+read them: ``ipv6`` against Python's ``ipaddress``, ``duration`` against pydantic's
+``timedelta``, the types whose format is any string, and dictionaries with constrained keys."""
 
 import datetime
+import enum
 import ipaddress
 import itertools
 import json
 import pathlib
 import random
+from typing import Annotated, Literal
 
 import pytest
-from pydantic import IPvAnyAddress, SecretStr, TypeAdapter, ValidationError
+from pydantic import IPvAnyAddress, SecretStr, StringConstraints, TypeAdapter, ValidationError
 
 from specdec.structured.json_schema import schema_regex, schema_rules
 from specdec.structured.regex import compile_regex
@@ -99,3 +101,35 @@ def test_pydantic_types_whose_format_is_any_string(kind):
     assert not dfa.fullmatch('"a"b"') and not dfa.fullmatch("1")
     short = compile_regex(schema_regex({**schema, "maxLength": 3}))
     assert short.fullmatch('"a\\nb"') and not short.fullmatch('"abcd"')
+
+
+def test_dictionaries_with_constrained_keys():
+    """pydantic's ``dict[Literal[...], V]``, ``dict[Enum, V]`` and ``dict[constr(max_length), V]``
+    (``propertyNames``) and ``dict[constr(pattern), V]`` (``patternProperties``): keys the schema
+    allows, values its own; what pydantic validates, the guide takes, and what it refuses, not."""
+
+    class Unit(enum.Enum):
+        C = "c"
+        F = "f"
+
+    short = Annotated[str, StringConstraints(max_length=3)]
+    lower = Annotated[str, StringConstraints(pattern="^[a-z]+$")]
+    cases = [
+        (dict[Literal["x", "y"], int], ['{"x": 1, "y": 2}', "{}"], ['{"z": 1}', '{"x": "a"}']),
+        (dict[Unit, int], ['{"c": 1}', '{"f": 2, "c": 3}'], ['{"k": 1}']),
+        (dict[short, bool], ['{"abc": true}', '{"": false}'], ['{"abcd": true}']),
+        (dict[lower, int], ['{"ab": 1, "c": 2}'], ['{"A": 1}', '{"a1": 1}', '{"a": "x"}']),
+    ]
+    for kind, good, bad in cases:
+        adapter = TypeAdapter(kind)
+        dfa = compile_regex(schema_regex(adapter.json_schema()))
+        assert schema_rules(adapter.json_schema())  # the pushdown guide's rules too
+        for text in good:
+            assert dfa.fullmatch(text), (kind, text)
+            adapter.validate_json(text)
+        for text in bad:
+            assert not dfa.fullmatch(text), (kind, text)
+            with pytest.raises(ValidationError):
+                adapter.validate_json(text)
+    with pytest.raises(ValueError, match="on an object without properties"):
+        schema_regex({"properties": {"a": {}}, "propertyNames": {"maxLength": 2}})

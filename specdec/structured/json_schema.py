@@ -13,14 +13,14 @@ pattern: a JSON guide with its own whitespace, ``whitespace_pattern``, becomes a
 free-form values at most :data:`FREE_DEPTH` deep and ``$ref`` at most :data:`MAX_REF_DEPTH`.
 
 Supported keywords: ``type`` (one or a list), ``properties``, ``required``,
-``additionalProperties`` (false, true or a schema), ``items``, ``prefixItems`` (tuples),
-``minItems``, ``maxItems``, ``enum``, ``const``, ``anyOf``, ``oneOf``, a one-item ``allOf``,
-``minimum``, ``maximum``, ``exclusiveMinimum``, ``exclusiveMaximum``
-(:mod:`~specdec.structured.json_numbers`), ``minLength``, ``maxLength``, ``pattern`` (with
-lengths where :func:`~specdec.structured.json_strings.within` can keep both),
-``format`` (``date``, ``time``, ``date-time``, ``duration``, ``uuid``, ``email``, ``hostname``,
-``ipv4``, ``ipv6``, ``uri``; pydantic's ``ipvanyaddress``; ``path``, ``password`` and
-``binary``, any string),
+``additionalProperties`` (false, true or a schema), ``propertyNames`` and ``patternProperties``
+(on an object without ``properties``), ``items``, ``prefixItems`` (tuples), ``minItems``,
+``maxItems``, ``enum``, ``const``, ``anyOf``, ``oneOf``, a one-item ``allOf``, ``minimum``,
+``maximum``, ``exclusiveMinimum``, ``exclusiveMaximum`` (:mod:`~specdec.structured.json_numbers`),
+``minLength``, ``maxLength``, ``pattern`` (with lengths where
+:func:`~specdec.structured.json_strings.within` can keep both), ``format`` (``date``, ``time``,
+``date-time``, ``duration``, ``uuid``, ``email``, ``hostname``, ``ipv4``, ``ipv6``, ``uri``;
+pydantic's ``ipvanyaddress``; ``path``, ``password`` and ``binary``, any string),
 ``$ref`` to ``#`` or any JSON pointer within the schema (``#/$defs/node``; recursive ones too),
 and the annotations that constrain nothing (``title``, ``description``, ``default``,
 ``examples``, ``$schema``, ``$id``, ``$comment``, ``readOnly``, ``writeOnly``, ``deprecated``,
@@ -42,16 +42,16 @@ from specdec.structured.json_numbers import number_range
 from specdec.structured.json_strings import (
     FORMATS,
     PLAIN_FORMATS,
+    STRING,
+    STRING_CHAR,
     format_tree,
-    other_key,
+    other_members,
     within,
 )
 from specdec.structured.regex import MAX_CODEPOINT, parse_regex, render, restrict
 
 WHITESPACE = r"[ ]?"
 PLAIN = [(0x20, 0x21), (0x23, 0x5B), (0x5D, MAX_CODEPOINT)]  # what a JSON string holds unescaped
-STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
-STRING = f'"{STRING_CHAR}*"'
 INTEGER = r"-?(?:0|[1-9][0-9]*)"
 NUMBER = INTEGER + r"(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
 SCALARS = {"string": STRING, "integer": INTEGER, "number": NUMBER,
@@ -67,7 +67,7 @@ KEYWORDS = ANNOTATIONS | {"type", "properties", "required", "items", "minItems",
                           "enum", "const", "anyOf", "oneOf", "allOf", "minLength", "maxLength",
                           "pattern", "format", "$ref", "additionalProperties", "prefixItems",
                           "nullable", "uniqueItems", "minProperties", "maxProperties",
-                          *BOUNDS}  # fmt: skip
+                          "propertyNames", "patternProperties", *BOUNDS}  # fmt: skip
 
 
 def schema_regex(schema: dict[str, Any] | bool | str, whitespace: str = WHITESPACE) -> str:
@@ -317,7 +317,8 @@ class SchemaBuilder:
             return self.array(schema, refs)
         if kind == "object":
             extra = schema.get("additionalProperties")
-            if "properties" not in schema and extra in (None, True, {}):
+            keyed = any(k in schema for k in ("properties", "propertyNames", "patternProperties"))
+            if not keyed and extra in (None, True, {}):
                 return self.free(top_object=True)
             return self.object(schema, refs)
         raise ValueError(f"json_schema type {kind!r} is not a JSON type")
@@ -378,19 +379,20 @@ class SchemaBuilder:
 
     def object(self, schema: dict[str, Any], refs: int) -> str:
         """The properties in order, each required one present, optional ones where the model
-        chooses, then others where ``additionalProperties`` allows them (true or a schema: any
-        key, the schema's value); commas only between the members present."""
-        w = self.w
+        chooses, then others (:func:`~specdec.structured.json_strings.other_members`); commas
+        only between the members present."""
+        w, properties = self.w, schema.get("properties", {})
         required = set(schema.get("required", []))
-        properties = schema.get("properties", {})
         members = [
             (f"{self.literal(name)}{w}:{w}{self.value(sub, refs)}", name in required)
             for name, sub in properties.items()
         ]
-        extra = schema.get("additionalProperties")
-        if extra is not None and extra is not False and (extra is not True or properties):
-            key = f'"{other_key(list(properties))}"' if properties else STRING
-            other = f"{key}{w}:{w}{self.value(True if extra == {} else extra, refs)}"
+        others = [
+            f"{key}{w}:{w}{self.value(True if sub == {} else sub, refs)}"
+            for key, sub in other_members(schema, list(properties), lambda s: self.value(s, refs))
+        ]
+        if others:
+            other = f"(?:{'|'.join(others)})"
             members.append((f"{other}(?:{w},{w}{other})*", False))
         missing = required - set(properties)
         if missing:

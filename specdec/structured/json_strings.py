@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
+from typing import Any
 
 from specdec.structured.regex import parse_regex
 
 KEY_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\bfnrt])'  # a character with one spelling only
+STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
+STRING = f'"{STRING_CHAR}*"'
 FORMATS = {
     "date": r"[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])",
     "time": r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?(?:Z|[+-][0-9]{2}:[0-9]{2})?",
@@ -65,6 +69,35 @@ _SCHEMES = (
 )
 FORMATS["uri"] = rf"(?:{_SCHEMES})(?:{_URI_CHAR}|%[0-9A-Fa-f]{{2}})*"
 BOUNDED_FORMATS = {**FORMATS, "uri": rf"(?:{_SCHEMES}){_URI_CHAR}*"}
+
+
+def other_members(
+    schema: dict[str, Any], listed: list[str], string: Callable[[dict[str, Any]], str]
+) -> list[tuple[str, Any]]:
+    """The members an object may hold beside its listed properties, as (a key's pattern, the
+    value's schema): keys other than the listed ones (``other_key``), valued as
+    ``additionalProperties`` says (none where it is absent or false; a schema; true: any value,
+    where properties are listed). On an object that lists none: keys ``propertyNames`` accepts
+    (pydantic's ``dict[Literal[...], V]``), or each of ``patternProperties``' patterns with its
+    value schema (only those keys: every document is the schema's). ``string``: the pattern of
+    a string schema."""
+    names, patterns = schema.get("propertyNames"), schema.get("patternProperties")
+    extra = schema.get("additionalProperties")
+    if names is None and patterns is None:
+        if extra is None or extra is False or (extra is True and not listed):
+            return []
+        return [(f'"{other_key(listed)}"' if listed else STRING, extra)]
+    if listed or (names is not None and patterns is not None):
+        raise ValueError(
+            "json_schema propertyNames and patternProperties are supported on an object "
+            "without properties, one of them"
+        )
+    if patterns is not None:
+        return [(string({"type": "string", "pattern": p}), sub) for p, sub in patterns.items()]
+    if not isinstance(names, dict):
+        raise ValueError("json_schema propertyNames is supported as a schema object")
+    value = True if extra is None else extra
+    return [] if value is False else [(string({"type": "string", **names}), value)]
 
 
 def other_key(names: list[str]) -> str:
