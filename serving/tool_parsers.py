@@ -101,23 +101,23 @@ def _json_calls(objects: Any, tools: Mapping[str, Any]) -> list[ToolCall] | None
     return calls or None
 
 
-def _hermes(text: str, tool_names: Mapping[str, Any]) -> list[ToolCall] | None:
+def _hermes(text: str, tools: Mapping[str, Any]) -> list[ToolCall] | None:
     try:
         objects = [json.loads(block) for block in _HERMES_BLOCK.findall(text)]
     except json.JSONDecodeError:
         return None
-    return _json_calls(objects, tool_names)  # none closed: the reply was cut short
+    return _json_calls(objects, tools)  # none closed: the reply was cut short
 
 
-def _mistral(text: str, tool_names: Mapping[str, Any]) -> list[ToolCall] | None:
+def _mistral(text: str, tools: Mapping[str, Any]) -> list[ToolCall] | None:
     try:
         objects = json.loads(text.removeprefix("[TOOL_CALLS]"))
     except json.JSONDecodeError:
         return None
-    return _json_calls(objects if isinstance(objects, list) else [objects], tool_names)
+    return _json_calls(objects if isinstance(objects, list) else [objects], tools)
 
 
-def _llama3_json(text: str, tool_names: Mapping[str, Any]) -> list[ToolCall] | None:
+def _llama3_json(text: str, tools: Mapping[str, Any]) -> list[ToolCall] | None:
     text, decoder, objects, at = text.strip().removeprefix(_PYTHON_TAG), json.JSONDecoder(), [], 0
     while True:
         at = len(text) - len(text[at:].lstrip())
@@ -128,13 +128,13 @@ def _llama3_json(text: str, tool_names: Mapping[str, Any]) -> list[ToolCall] | N
         objects.append(obj)
         rest = text[at:].lstrip()
         if not rest:
-            return _json_calls(objects, tool_names)
+            return _json_calls(objects, tools)
         if not rest.startswith(";"):
             return None
         at = len(text) - len(rest) + 1
 
 
-def _pythonic(text: str, tool_names: Mapping[str, Any]) -> list[ToolCall] | None:
+def _pythonic(text: str, tools: Mapping[str, Any]) -> list[ToolCall] | None:
     try:
         tree = ast.parse(text.strip(), mode="eval").body
         if not isinstance(tree, ast.List) or not tree.elts:
@@ -146,7 +146,7 @@ def _pythonic(text: str, tool_names: Mapping[str, Any]) -> list[ToolCall] | None
             if any(kw.arg is None for kw in node.keywords):  # **kwargs
                 return None
             arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
-            call = _call(node.func.id, arguments, tool_names)
+            call = _call(node.func.id, arguments, tools)
             if call is None:
                 return None
             calls.append(call)
@@ -155,11 +155,11 @@ def _pythonic(text: str, tool_names: Mapping[str, Any]) -> list[ToolCall] | None
         return None
 
 
-def _qwen3_xml(text: str, tool_names: Mapping[str, Any]) -> list[ToolCall] | None:
+def _qwen3_xml(text: str, tools: Mapping[str, Any]) -> list[ToolCall] | None:
     calls = []
     for block in _HERMES_BLOCK.findall(text):
-        found = read_function(block, tool_names)
-        call = None if found is None else _call(*found, tool_names)
+        found = read_function(block, tools)
+        call = None if found is None else _call(*found, tools)
         if call is None:
             return None
         calls.append(call)
@@ -233,7 +233,7 @@ class CallParser:
     """A syntax, for a request's tools."""
 
     syntax: Syntax
-    tool_names: Mapping[str, Any]  # name -> the arguments' schema
+    tools: Mapping[str, Any]  # name -> the arguments' schema
 
     def parse(self, text: str) -> ParsedReply:
         """The calls in a finished reply, or the whole reply as text when it holds none or a
@@ -241,7 +241,7 @@ class CallParser:
         start = self.calls_start(text)
         if start is None:
             return ParsedReply(text)
-        calls = self.syntax.read(text[start:], self.tool_names)
+        calls = self.syntax.read(text[start:], self.tools)
         if calls is None:
             return ParsedReply(text)
         return ParsedReply(text[:start].strip() or None, calls)
@@ -259,9 +259,9 @@ class CallParser:
         return CallStream(self)
 
 
-def parser_for(name: str, tools: Mapping[str, Any] | list[str]) -> CallParser:
-    """The parser of syntax ``name`` for ``tools``: names, or names -> arguments' schemas."""
-    return CallParser(SYNTAXES[name], tools if isinstance(tools, Mapping) else dict.fromkeys(tools))
+def parser_for(name: str, tools: Mapping[str, Any]) -> CallParser:
+    """The parser of syntax ``name`` for ``tools`` (name -> the arguments' schema)."""
+    return CallParser(SYNTAXES[name], tools)
 
 
 def tool_schemas(tools: list[Tool]) -> dict[str, Any]:

@@ -28,29 +28,28 @@ FORMATS["email"] = rf"{_ATOM}(?:\.{_ATOM})*@{_LABEL}(?:\.{_LABEL})+"
 _N, _H = "[0-9]+", "[0-9A-Fa-f]{1,4}"  # a duration's number, an IPv6 address's group
 _SECONDS = rf"{_N}(?:\.[0-9]+)?S"
 # ISO 8601 durations (pydantic's timedelta): at least one part, a time's after "T"
-FORMATS["duration"] = (
-    rf"-?P(?:(?:{_N}Y(?:{_N}M)?(?:{_N}W)?(?:{_N}D)?|{_N}M(?:{_N}W)?(?:{_N}D)?|{_N}W(?:{_N}D)?"
-    rf"|{_N}D)(?:T(?:{_N}H(?:{_N}M)?(?:{_SECONDS})?|{_N}M(?:{_SECONDS})?|{_SECONDS}))?"
-    rf"|T(?:{_N}H(?:{_N}M)?(?:{_SECONDS})?|{_N}M(?:{_SECONDS})?|{_SECONDS}))"
-)
+_DATE = rf"(?:{_N}Y(?:{_N}M)?(?:{_N}W)?(?:{_N}D)?|{_N}M(?:{_N}W)?(?:{_N}D)?|{_N}W(?:{_N}D)?|{_N}D)"
+_TIME = rf"T(?:{_N}H(?:{_N}M)?(?:{_SECONDS})?|{_N}M(?:{_SECONDS})?|{_SECONDS})"
+FORMATS["duration"] = rf"-?P(?:{_DATE}(?:{_TIME})?|{_TIME})"
 
 
-def _groups(n: int, least: int = 0) -> str:
-    """``least`` (0 or n) to ``n`` IPv6 groups joined by colons."""
+def _groups(n: int, exactly: bool = False) -> str:
+    """``n`` IPv6 groups joined by colons (or, not ``exactly``, none to ``n``)."""
     if n == 0:
         return ""
-    joined = f"{_H}(?::{_H}){{{n - 1}}}" if least else f"{_H}(?::{_H}){{0,{n - 1}}}"
-    return joined if least else f"(?:{joined})?"
+    if exactly:
+        return f"{_H}(?::{_H}){{{n - 1}}}"
+    return f"(?:{_H}(?::{_H}){{0,{n - 1}}})?"
 
 
 def _ipv6() -> str:
     """RFC 4291 2.2's text forms: eight groups, or six and an IPv4 address, where one "::"
     stands for one or more groups of zeros (an alternative per count of groups before it)."""
-    forms = [_groups(8, 8), f"{_groups(6, 6)}:{FORMATS['ipv4']}"]
+    forms = [_groups(8, True), f"{_groups(6, True)}:{FORMATS['ipv4']}"]
     for before in range(8):
-        forms.append(f"{_groups(before, before)}::{_groups(7 - before)}")
+        forms.append(f"{_groups(before, True)}::{_groups(7 - before)}")
         if before <= 5:
-            forms.append(f"{_groups(before, before)}::(?:{_H}:){{0,{5 - before}}}{FORMATS['ipv4']}")
+            forms.append(f"{_groups(before, True)}::(?:{_H}:){{0,{5 - before}}}{FORMATS['ipv4']}")
     return "|".join(f"(?:{form})" for form in forms)
 
 
